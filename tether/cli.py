@@ -1,0 +1,58 @@
+"""The `tether` command.
+
+    tether train --config recipe.yaml [section.field=value ...] [--load DIR] [--dry-run]
+    tether sft   --config sft.yaml    [section.field=value ...] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tether.config import ConfigError, TetherConfig, dump_config, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tether", description="RL post-training of language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "RL training (rollout -> reward -> train -> weight sync)"),
+                       ("sft", "supervised fine-tuning through the same trainer")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--config", "-c", help="YAML recipe")
+        p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+        if name == "train":
+            p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> TetherConfig:
+    overrides = list(args.overrides)
+    if getattr(args, "load", None):
+        overrides.append(f"checkpoint.load={args.load}")
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = _load(args)
+    except ConfigError as err:
+        print(f"tether: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump_config(cfg), end="")
+        return 0
+    if args.command == "train":
+        from tether.train import train
+
+        train(cfg)
+    else:
+        from tether.sft import sft
+
+        sft(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

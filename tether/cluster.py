@@ -1,0 +1,126 @@
+"""Ray: starting or joining a cluster, placement of trainer and engines, and timed remote calls.
+
+Layouts
+- colocated: one bundle per trainer rank; engines are placed on the same bundles (engine i on
+  bundle i mod N). Trainer and engines take turns on the same devices.
+- disaggregated: trainer bundles first, then one bundle per engine.
+
+Every remote result is fetched through ``wait`` with a timeout whose error names what was waited on:
+a run never hangs silently.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tether.config import ClusterConfig
+
+
+class RemoteTimeout(TimeoutError):
+    """A remote call did not finish in time; the message says which call."""
+
+
+def wait(refs: Any, timeout_s: float, what: str) -> Any:
+    """ray.get with a deadline. ``what`` names the call, e.g. 'trainer.train(rollout 3) on 2 ranks'."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RemoteTimeout(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
+
+
+def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
+    """Join RAY_ADDRESS / cfg.ray_address when given, otherwise start a local Ray."""
+    if ray.is_initialized():
+        return
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    # Actors pin torch threads themselves; logical CPUs only need to cover the layout.
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return
+    need = int(num_bundles * cfg.cpus_per_bundle) + 2  # + rollout manager and slack
+    ray.init(
+        num_cpus=cfg.ray_num_cpus or max(need, 4),
+        num_gpus=None if cfg.gpus_per_bundle else 0,
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=True,
+    )
+
+
+@dataclass
+class Placement:
+    """Where each actor goes: (placement group, bundle index) per trainer rank and per engine."""
+
+    group: PlacementGroup
+    train_bundles: list[int]
+    engine_bundles: list[int]
+    colocate: bool
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def plan_placement(cfg: ClusterConfig) -> Placement:
+    """Reserve bundles for the layout and wait until Ray grants them."""
+    n_train, n_engine = cfg.num_train_actors, cfg.num_engines
+    n_bundles = max(n_train, n_engine) if cfg.colocate else n_train + n_engine
+    bundle: dict[str, float] = {"CPU": cfg.cpus_per_bundle}
+    if cfg.gpus_per_bundle:
+        bundle["GPU"] = cfg.gpus_per_bundle
+    start_ray(cfg, n_bundles)
+    # PACK keeps a rank's bundles on as few nodes as possible, so bundle order follows node order.
+    group = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+    wait(group.ready(), cfg.call_timeout_s, f"placement group of {n_bundles} bundles {bundle}")
+    if cfg.colocate:
+        train = list(range(n_train))
+        engines = [i % n_bundles for i in range(n_engine)]
+    else:
+        train = list(range(n_train))
+        engines = list(range(n_train, n_train + n_engine))
+    return Placement(group=group, train_bundles=train, engine_bundles=engines, colocate=cfg.colocate)
+
+
+def actor_resources(cfg: ClusterConfig, share: int) -> dict[str, float]:
+    """Resources for one actor that shares its bundle with ``share`` actors (colocated layouts)."""
+    return {"num_cpus": cfg.cpus_per_bundle / share, "num_gpus": cfg.gpus_per_bundle / share}
+
+
+def torch_threads(cfg: ClusterConfig, busy_actors: int) -> int:
+    """Intra-op threads per actor: the machine's cores spread over actors that compute at once."""
+    if cfg.torch_threads:
+        return cfg.torch_threads
+    return max(1, (os.cpu_count() or 1) // max(1, busy_actors))
+
+
+class ActorGroup:
+    """N actors of one class called together: ``group.call('train', ...)`` fans out and waits."""
+
+    def __init__(self, actors: Sequence[Any], name: str, timeout_s: float):
+        self.actors = list(actors)
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, what: str = "", **kwargs: Any) -> list:
+        refs = self.submit(method, *args, **kwargs)
+        label = f"{self.name}.{method}({what}) on {len(self.actors)} actor(s)"
+        return wait(refs, timeout_s or self.timeout_s, label)
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

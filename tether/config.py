@@ -1,0 +1,338 @@
+"""One typed config tree for a tether run.
+
+A recipe is a YAML file whose sections mirror the classes below; command-line overrides use
+dotted paths (``rollout.temperature=0.7``). Everything is validated at load: an unknown key, a wrong
+type or an inconsistent combination raises ``ConfigError`` naming the field (and the file). Nothing
+here silently changes a value the user wrote. This module imports without torch or Ray so that
+``tether train --dry-run`` is instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or inconsistent; the message names the field."""
+
+
+class Section(BaseModel):
+    # extra="forbid": a typo in a recipe is an error, never an ignored key.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ClusterConfig(Section):
+    num_train_actors: int = Field(1, ge=1)
+    """Trainer processes (Ray actors) forming one torch.distributed group (data parallel, FSDP2)."""
+    num_engines: int = Field(1, ge=1)
+    """Inference engine actors used for rollout and eval."""
+    colocate: bool = True
+    """Place trainer and engines on the same bundles (they take turns); off: separate bundles."""
+    offload: bool = False
+    """With colocate: release engine memory while training and trainer memory while generating."""
+    cpus_per_bundle: float = Field(1.0, gt=0)
+    """Logical CPUs reserved per placement-group bundle (one bundle per trainer rank / engine)."""
+    gpus_per_bundle: float = Field(0.0, ge=0)
+    """GPUs per bundle; 0 runs everything on CPU (gloo, embedded engine)."""
+    torch_threads: int = Field(0, ge=0)
+    """torch intra-op threads per actor; 0 picks cores / busy actors."""
+    ray_address: str | None = None
+    """Join an existing Ray cluster (also read from RAY_ADDRESS); None starts a local one."""
+    ray_num_cpus: int | None = None
+    """Logical CPUs of a locally started Ray (None: enough for the layout)."""
+    call_timeout_s: float = Field(600.0, gt=0)
+    """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """torch.distributed timeout for collectives between trainer ranks."""
+
+
+class ModelConfig(Section):
+    path: str
+    """A local directory with an HF causal LM (config.json, weights, tokenizer)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of trainer and engine. float32 makes engine and trainer log-probs identical."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+class DataConfig(Section):
+    path: str | None = None
+    """JSONL file of prompts for RL (one object per line)."""
+    prompt_key: str = "prompt"
+    """Row key of the prompt (a string, or a list of chat messages)."""
+    label_key: str = "label"
+    """Row key of the label the reward compares against."""
+    metadata_key: str = "metadata"
+    """Row key of an optional dict passed to the reward."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (adds the generation prompt)."""
+    max_prompt_len: int | None = Field(None, ge=1)
+    """Drop prompts longer than this many tokens (counted and reported)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch, deterministically from (seed, epoch)."""
+
+
+class RolloutConfig(Section):
+    num_rollout: int | None = Field(None, ge=1)
+    """Number of rollouts (train iterations). None: num_epoch passes over the data."""
+    num_epoch: int = Field(1, ge=1)
+    """Passes over the prompt data when num_rollout is not set."""
+    prompts_per_rollout: int = Field(32, ge=1)
+    """Prompts drawn per rollout (the rollout batch size)."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Responses sampled per prompt: one group for group-relative advantages."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer divides logits by the same value when recomputing log-probs."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Keep the k most likely tokens (-1: all)."""
+    max_response_len: int = Field(64, ge=1)
+    """Maximum new tokens per response."""
+    stop_token_ids: list[int] = []
+    """Extra token ids that end a response (the tokenizer's eos always does)."""
+    reward: str = "math"
+    """Reward function: a built-in name (math, exact_match, f1), module:function or path/file.py:function."""
+    max_generate_batch: int = Field(256, ge=1)
+    """Sequences an engine decodes at once."""
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: str = "grpo"
+    """Advantage estimator by name (see tether.algorithms.advantages)."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss by name (see tether.algorithms.losses)."""
+    eps_clip_low: float = Field(0.2, ge=0)
+    """PPO lower clip: ratio is clipped at 1 - eps_clip_low."""
+    eps_clip_high: float = Field(0.2, ge=0)
+    """PPO upper clip: ratio is clipped at 1 + eps_clip_high (DAPO's clip-higher when larger)."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL(policy || reference) loss; > 0 loads a frozen reference model."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator used in the KL loss and the logged kl metric."""
+    log_kl: bool = False
+    """Load the reference model and log KL even when kl_loss_coef is 0."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus."""
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return self.kl_loss_coef > 0 or self.log_kl
+
+
+class TrainConfig(Section):
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step (all ranks). None: one step per rollout (the whole rollout batch)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward on one rank; gradients accumulate up to the global batch."""
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate (AdamW)."""
+    min_lr: float = Field(0.0, ge=0)
+    """Final learning rate of the cosine schedule."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Shape after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 over this many optimizer steps."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0: no clipping, the norm is still logged)."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """0 decodes greedily."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Keep the k most likely tokens (-1: all)."""
+    max_response_len: int = Field(64, ge=1)
+    """Maximum new tokens per response."""
+    n_samples_per_prompt: int = Field(1, ge=1)
+    """Responses per eval prompt; the score is their mean reward."""
+
+
+class EvalDatasetConfig(SamplingConfig):
+    name: str
+    """Name used in metrics (eval/<name>/score)."""
+    path: str
+    """JSONL file of eval prompts, read with the data section's keys."""
+    reward: str | None = None
+    """Reward for this dataset; None uses rollout.reward."""
+
+
+class EvalConfig(Section):
+    interval: int | None = Field(None, ge=1)
+    """Evaluate every this many rollouts (and before the first one and after the last). None: never."""
+    datasets: list[EvalDatasetConfig] = []
+    """Named eval sets, each with its own sampling settings."""
+
+
+class CheckpointConfig(Section):
+    save_dir: str | None = None
+    """Where checkpoints go (default: <output_dir>/checkpoints)."""
+    save_interval: int | None = Field(None, ge=1)
+    """Save every this many rollouts (and always at each epoch end and the last rollout)."""
+    load: str | None = None
+    """Resume from the latest complete checkpoint in this directory."""
+    export_hf: bool = True
+    """Write an HF-format model (safetensors + tokenizer) to <output_dir>/hf at the end."""
+
+
+class TrackingConfig(Section):
+    run_name: str | None = None
+    """Run name (default: the output directory's name)."""
+    jsonl: bool = True
+    """Write metrics.jsonl."""
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the wandb extra)."""
+    wandb_project: str = "tether"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode; offline writes locally for a later `wandb sync`."""
+    console: bool = True
+    """Print one line per rollout."""
+
+
+class SFTConfig(Section):
+    path: str | None = None
+    """JSONL file with prompt and response per row (supervised fine-tuning)."""
+    prompt_key: str = "prompt"
+    """Row key of the prompt."""
+    response_key: str = "response"
+    """Row key of the target response; the loss covers only these tokens (and the eos)."""
+    num_epoch: int = Field(1, ge=1)
+    """Passes over the SFT data."""
+    batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step (all ranks)."""
+
+
+class TetherConfig(Section):
+    output_dir: str = "outputs/run"
+    """Everything a run writes: metrics, plots, checkpoints, the exported model."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    sft: SFTConfig = SFTConfig()
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> TetherConfig:
+        samples = self.rollout.prompts_per_rollout * self.rollout.n_samples_per_prompt
+        gbs = self.train.global_batch_size
+        if gbs is not None and samples % gbs != 0:
+            raise ValueError(
+                f"train.global_batch_size={gbs} must divide the rollout batch "
+                f"(rollout.prompts_per_rollout * rollout.n_samples_per_prompt = {samples})"
+            )
+        if gbs is not None and gbs % self.cluster.num_train_actors != 0:
+            raise ValueError(
+                f"train.global_batch_size={gbs} must be divisible by cluster.num_train_actors="
+                f"{self.cluster.num_train_actors}"
+            )
+        if self.cluster.offload and not self.cluster.colocate:
+            raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
+        names = [d.name for d in self.eval.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.datasets names must be unique, got {names}")
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, resolved (the whole rollout batch when unset)."""
+        return self.train.global_batch_size or self.rollout.prompts_per_rollout * self.rollout.n_samples_per_prompt
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.save_dir or Path(self.output_dir) / "checkpoints")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    # YAML parsing gives overrides the same typing as the recipe file: 3 -> int, true -> bool, [1,2] -> list.
+    value = yaml.safe_load(raw) if raw != "" else ""
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set dotted-path overrides on a raw (unvalidated) config dict."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "<root>"
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field (typo?)"
+        got = item.get("input")
+        shown = "" if item["type"] in ("missing",) or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {field}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> TetherConfig:
+    try:
+        return TetherConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TetherConfig:
+    """Read a YAML recipe, apply ``section.field=value`` overrides, validate."""
+    raw: dict = {}
+    source = "overrides"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = apply_overrides(raw, overrides or [])
+    if overrides:
+        source += " with overrides " + " ".join(overrides)
+    return config_from_dict(raw, source)
+
+
+def dump_config(cfg: TetherConfig) -> str:
+    """The resolved config as YAML (what --dry-run prints and checkpoints store)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,105 @@
+"""The embedded engine: the policy's HF model served from a Ray actor with a KV cache.
+
+It runs wherever torch runs (a laptop CPU, one GPU), and it is the reference the other backends
+are held to: in float32 its log-probs equal the trainer's recomputation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tether.engine.base import KV_CACHE, WEIGHTS, Engine, GenerateRequest, check_tags
+from tether.engine.generate import GenerateOutput, generate_batch
+from tether.trainer.model import load_model, load_tokenizer
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EmbeddedEngine(Engine):
+    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0, device: str = "cpu"):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = load_model(model_path, dtype, device).eval()
+        tokenizer = load_tokenizer(model_path)
+        self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.max_batch = max_batch
+        self.device = device
+        self.weight_version = 0
+        self.released: set[str] = set()
+        self.served = 0
+        self._shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
+        self._pending: set[str] = set()
+
+    # ------------------------------------------------------------ generation
+    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
+        if self.released:
+            raise EngineError(f"engine memory is released ({sorted(self.released)}): resume it before generate")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        outputs: list[GenerateOutput | None] = [None] * len(requests)
+        # Requests with the same sampling settings share a batch (a rollout is usually one group).
+        by_params: dict = {}
+        for i, req in enumerate(requests):
+            by_params.setdefault(req.sampling, []).append(i)
+        for params, indices in by_params.items():
+            for start in range(0, len(indices), self.max_batch):
+                chunk = indices[start : start + self.max_batch]
+                results = generate_batch(self.model, [requests[i].prompt_ids for i in chunk], params,
+                                         self.eos_ids, self.pad_id, generator)
+                for i, result in zip(chunk, results):
+                    outputs[i] = result
+        self.served += len(requests)
+        return outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ weights
+    def load_weight_bucket(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+        # Tied weights (lm_head = embed_tokens) appear under both names in a state dict.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers())
+        for name, tensor in tensors.items():
+            target = params.get(name, buffers.get(name))
+            if target is None:
+                raise EngineError(f"weight update version {version}: unknown tensor {name!r}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise EngineError(f"weight update version {version}: {name} has shape {tuple(tensor.shape)}, "
+                                  f"model expects {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.to(target.dtype))
+            self._pending.discard(name)
+        return len(tensors)
+
+    def commit_weights(self, version: int) -> int:
+        if self._pending:
+            missing = sorted(self._pending)[:5]
+            raise EngineError(f"weight version {version} committed while {len(self._pending)} released tensors "
+                              f"were never loaded, e.g. {missing}")
+        self.weight_version = version
+        return version
+
+    # ------------------------------------------------------------ memory
+    def release_memory(self, tags: list[str]) -> None:
+        for tag in check_tags(tags):
+            if tag == WEIGHTS and WEIGHTS not in self.released:
+                # Shrink every parameter's storage to nothing; shapes are kept to reallocate on resume.
+                for p in self.model.parameters():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            # The KV cache lives only for the duration of one generate call here, so kv_cache has
+            # nothing persistent to free; the tag is still tracked so generate refuses to run.
+            self.released.add(tag)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        for tag in check_tags(tags):
+            if tag == WEIGHTS and WEIGHTS in self.released:
+                for name, p in self.model.named_parameters():
+                    shape, dtype = self._shapes[name]
+                    p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                self._pending = set(self._shapes)
+            self.released.discard(tag)
+
+    def health(self) -> dict:
+        return {"ok": True, "weight_version": self.weight_version, "released": sorted(self.released),
+                "served": self.served, "time": time.time(), "kv_cache": KV_CACHE not in self.released}

@@ -1,0 +1,112 @@
+"""The synchronous RL loop, in the order DESIGN.md gives. It takes its parts as handles.
+
+    generate(k) -> [offload engines] -> train(k) -> [save] -> [offload trainer, onload weights]
+    -> push weights -> [onload kv cache] -> [eval]
+
+Engines always serve the trainer's weights: they receive them before the first rollout, so a run
+resumed from a checkpoint generates with the checkpoint's policy, not the model directory's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tether.engine.base import KV_CACHE, WEIGHTS
+
+
+class Trainer(Protocol):
+    def train(self, step_id: int, batch_ref: Any) -> dict[str, float]: ...
+    def push_weights(self, version: int) -> dict[str, float]: ...
+    def save(self, staging_dir: str) -> None: ...
+    def offload(self) -> None: ...
+    def onload(self) -> None: ...
+
+
+class Rollout(Protocol):
+    def generate(self, rollout_id: int) -> tuple[Any, dict[str, float]]: ...
+    def eval(self, rollout_id: int) -> dict[str, float]: ...
+    def save_state(self, ckpt_dir: str) -> None: ...
+    def offload(self, tags: list[str]) -> None: ...
+    def onload(self, tags: list[str]) -> None: ...
+
+
+class Checkpointer(Protocol):
+    def stage(self, rollout_id: int) -> str: ...
+    def commit(self, rollout_id: int) -> str: ...
+
+
+class Tracker(Protocol):
+    def log(self, step: int, metrics: dict[str, float], *, total: int | None = None) -> None: ...
+
+
+@dataclass
+class LoopPlan:
+    start: int
+    """First rollout id to run (0, or the saved id + 1 when resuming)."""
+    num_rollout: int
+    num_rollout_per_epoch: int
+    eval_interval: int | None
+    save_interval: int | None
+    offload: bool
+    has_eval: bool
+
+    def eval_due(self, rollout_id: int) -> bool:
+        """After rollout k when k+1 is a multiple of the interval, and after the last rollout."""
+        if not self.has_eval or self.eval_interval is None:
+            return False
+        return (rollout_id + 1) % self.eval_interval == 0 or rollout_id + 1 == self.num_rollout
+
+    def save_due(self, rollout_id: int) -> bool:
+        at_interval = self.save_interval is not None and (rollout_id + 1) % self.save_interval == 0
+        epoch_end = (rollout_id + 1) % self.num_rollout_per_epoch == 0
+        return at_interval or epoch_end or rollout_id + 1 == self.num_rollout
+
+
+def sync_weights(trainer: Trainer, rollout: Rollout, version: int, offload: bool) -> dict[str, float]:
+    """Engines get the trainer's weights; with offload the trainer steps aside first."""
+    if offload:
+        trainer.offload()
+        rollout.onload([WEIGHTS])
+    metrics = trainer.push_weights(version)
+    if offload:
+        rollout.onload([KV_CACHE])
+    return metrics
+
+
+def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, tracker: Tracker,
+             progress: Any = None) -> None:
+    """Rollouts plan.start .. plan.num_rollout - 1. Weights are pushed once before the first one."""
+    first = sync_weights(trainer, rollout, plan.start, plan.offload)
+    if plan.start == 0:
+        if plan.has_eval and plan.eval_interval is not None:
+            # The baseline: how the starting policy scores (step 0, before any update). A resumed
+            # run does not repeat it: its baseline is already in the metrics file.
+            first.update(rollout.eval(0))
+        first["timing/weight_sync_s"] = first.pop("weight_sync/seconds", 0.0)
+        tracker.log(0, first, total=plan.num_rollout)
+    for rollout_id in range(plan.start, plan.num_rollout):
+        t0 = time.perf_counter()
+        batch_ref, metrics = rollout.generate(rollout_id)
+        if plan.offload:
+            rollout.offload([WEIGHTS, KV_CACHE])
+            trainer.onload()
+        metrics.update(trainer.train(rollout_id, batch_ref))
+        if plan.save_due(rollout_id):
+            t_save = time.perf_counter()
+            staging = checkpointer.stage(rollout_id)
+            trainer.save(staging)
+            rollout.save_state(staging)
+            checkpointer.commit(rollout_id)
+            metrics["timing/save_s"] = time.perf_counter() - t_save
+        sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
+        metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
+        metrics.update(sync)
+        if plan.eval_due(rollout_id):
+            metrics.update(rollout.eval(rollout_id + 1))
+        metrics["timing/rollout_s"] = time.perf_counter() - t0
+        # Step k+1 = the policy after k+1 updates, so eval at step 0 is the starting policy.
+        tracker.log(rollout_id + 1, metrics, total=plan.num_rollout)
+        if progress is not None:
+            progress.update(1)

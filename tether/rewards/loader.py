@@ -1,0 +1,164 @@
+"""Resolve reward-function specs and apply reward functions to samples.
+
+A reward function takes a Sample and returns a float. A spec names one as:
+- a built-in name: "math", "exact_match", "f1";
+- an importable function: "package.module:function";
+- a function in a Python file: "path/to/file.py:function".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Sequence
+
+from tether.rewards.builtin import BUILTIN_REWARDS
+from tether.rollout.sample import Sample
+
+RewardFn = Callable[[Sample], float]
+
+# Characters of the response shown in error messages.
+_EXCERPT_CHARS = 200
+
+
+class RewardLoadError(ValueError):
+    """A reward spec cannot be resolved to a callable."""
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned an invalid value."""
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve `spec` to a reward function.
+
+    Raises:
+        RewardLoadError: unknown built-in (the message lists the built-ins),
+            module or file not found, attribute missing, or not callable.
+    """
+    spec = spec.strip()
+    if ":" not in spec:
+        if spec in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[spec]
+        raise RewardLoadError(
+            f"reward spec '{spec}': unknown built-in reward; built-ins are "
+            f"{sorted(BUILTIN_REWARDS)}, or use 'package.module:function' or "
+            f"'path/to/file.py:function'"
+        )
+    # rpartition: the function name never contains ':', a file path might.
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise RewardLoadError(
+            f"reward spec '{spec}': expected 'module:function' or 'file.py:function'"
+        )
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _load_file_module(spec, Path(target))
+    else:
+        module = _import_module(spec, target)
+    if not hasattr(module, attr):
+        raise RewardLoadError(
+            f"reward spec '{spec}': '{target}' has no attribute '{attr}'"
+        )
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardLoadError(
+            f"reward spec '{spec}': '{attr}' in '{target}' is not callable "
+            f"(got {type(fn).__name__})"
+        )
+    return fn
+
+
+def _import_module(spec: str, name: str) -> ModuleType:
+    """Import a dotted module; a missing module becomes a RewardLoadError."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        # Only translate "this module does not exist"; a missing dependency inside
+        # the user's module is a different problem and keeps its own message.
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise RewardLoadError(
+                f"reward spec '{spec}': module '{name}' not found "
+                f"(is it installed or on PYTHONPATH?)"
+            ) from exc
+        raise
+
+
+def _load_file_module(spec: str, path: Path) -> ModuleType:
+    """Execute a Python file as a fresh module and return it.
+
+    The module is deliberately not registered in sys.modules: the file is not
+    importable by name elsewhere, so functions from it should be serialized by
+    value (cloudpickle does that for unregistered modules), not by reference.
+    """
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise RewardLoadError(f"reward spec '{spec}': file '{path}' not found")
+    # A path-derived name keeps two files with the same stem apart in tracebacks.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    module_name = f"tether_reward_{path.stem}_{digest}"
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise RewardLoadError(f"reward spec '{spec}': cannot load '{path}' as a module")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str) -> list[float]:
+    """Call `fn` on every sample, validate the results and store them in sample.reward.
+
+    Args:
+        fn: reward function.
+        samples: samples with their response filled in.
+        fn_name: name of the function (e.g. its spec) for error messages.
+
+    Returns:
+        The rewards, in sample order.
+
+    Raises:
+        RewardError: `fn` raised (chained to the original exception; the message
+            names the sample's prompt_index/sample_index and a response excerpt), or
+            returned something other than a finite real number (bools count as 0/1).
+    """
+    rewards = []
+    for sample in samples:
+        try:
+            value = fn(sample)
+        except Exception as exc:
+            raise RewardError(
+                f"reward function '{fn_name}' raised {type(exc).__name__}: {exc} "
+                f"(prompt_index={sample.prompt_index}, "
+                f"sample_index={sample.sample_index}, "
+                f"response={_excerpt(sample.response_text)})"
+            ) from exc
+        reward = _validate_reward(value, fn_name, sample)
+        sample.reward = reward
+        rewards.append(reward)
+    return rewards
+
+
+def _validate_reward(value: object, fn_name: str, sample: Sample) -> float:
+    """Return `value` as a float, or raise RewardError if it is not finite and real."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        reward = float(value)
+        if math.isfinite(reward):
+            return reward
+    raise RewardError(
+        f"reward function '{fn_name}' returned {value!r} "
+        f"({type(value).__name__}) for prompt_index={sample.prompt_index}, "
+        f"sample_index={sample.sample_index}; expected a finite real number"
+    )
+
+
+def _excerpt(text: str) -> str:
+    """Short repr of a response for error messages."""
+    if len(text) <= _EXCERPT_CHARS:
+        return repr(text)
+    return repr(text[:_EXCERPT_CHARS]) + f"... ({len(text)} chars)"

@@ -1,0 +1,5 @@
+"""Rollout data: samples and the prompt data source."""
+
+from tether.rollout.sample import Sample
+
+__all__ = ["Sample"]

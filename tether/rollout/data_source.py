@@ -1,0 +1,320 @@
+"""Prompt dataset loading (JSONL) and the epoch-based prompt iterator.
+
+Data format: one JSON object per line, blank lines skipped. Each object has a
+prompt (a string, or a list of {"role", "content"} chat messages), an optional
+label (reference answer, any JSON value) and an optional metadata dict. The key
+names are configurable.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tether.rollout.sample import Sample
+
+
+class DatasetError(ValueError):
+    """A prompt dataset is missing, malformed, or unusable."""
+
+
+@dataclass
+class PromptRow:
+    """One prompt loaded from the dataset.
+
+    Attributes:
+        index: position in the loaded row list (after length filtering).
+        line: 1-based line number in the source file, for error messages.
+        prompt: raw prompt (string or chat messages), as in the file.
+        label: reference answer, or None when the row has no label.
+        metadata: per-row metadata dict ({} when absent).
+        prompt_ids: token ids of the prompt as fed to the engine.
+    """
+
+    index: int
+    line: int
+    prompt: str | list[dict]
+    label: Any
+    metadata: dict
+    prompt_ids: list[int]
+
+
+def load_prompt_rows(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    prompt_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = False,
+    max_prompt_len: int | None = None,
+) -> tuple[list[PromptRow], int]:
+    """Load and tokenize a JSONL prompt file.
+
+    Tokenization: with `apply_chat_template`, the prompt (a string becomes a single
+    user message) is rendered with `tokenizer.apply_chat_template(...,
+    add_generation_prompt=True, tokenize=False)` and then encoded. In both modes the
+    text is encoded with `add_special_tokens=False`: a chat template already writes
+    its own special tokens, and for raw strings the data is taken verbatim (put a
+    BOS in the text if the model needs one). A chat-message prompt requires
+    `apply_chat_template=True`.
+
+    Args:
+        path: JSONL file.
+        tokenizer: a Hugging Face tokenizer.
+        prompt_key, label_key, metadata_key: field names in each JSON object. A
+            missing label gives None; a missing (or null) metadata gives {}.
+        apply_chat_template: format prompts with the tokenizer's chat template.
+        max_prompt_len: rows whose prompt has more tokens than this are dropped.
+
+    Returns:
+        (rows, number of rows dropped for length).
+
+    Raises:
+        DatasetError: missing file, invalid JSON, missing/ill-typed fields, empty
+            file, or every row filtered out. Messages name file:line and the field.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: prompt dataset file not found")
+    if apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise DatasetError(
+            f"{path}: apply_chat_template is set but the tokenizer has no chat_template"
+        )
+
+    rows: list[PromptRow] = []
+    num_filtered = 0
+    num_read = 0
+    for line_no, obj in read_jsonl(path):
+        num_read += 1
+        where = f"{path}:{line_no}"
+        prompt = get_prompt(obj, where, prompt_key, apply_chat_template)
+        metadata = _get_metadata(obj, where, metadata_key)
+        prompt_ids = encode_prompt(tokenizer, prompt, apply_chat_template)
+        if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
+            num_filtered += 1
+            continue
+        rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt,
+                              label=obj.get(label_key), metadata=metadata,
+                              prompt_ids=prompt_ids))
+
+    if num_read == 0:
+        raise DatasetError(f"{path}: prompt dataset contains no rows")
+    if not rows:
+        raise DatasetError(
+            f"{path}: all {num_read} rows are longer than "
+            f"max_prompt_len={max_prompt_len} tokens"
+        )
+    return rows, num_filtered
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line number, object) for each non-blank line."""
+    with path.open("r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(
+                    f"{path}:{line_no}: invalid JSON: {exc.msg} (column {exc.colno})"
+                ) from exc
+            if not isinstance(obj, dict):
+                raise DatasetError(
+                    f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}"
+                )
+            yield line_no, obj
+
+
+def get_prompt(
+    obj: dict, where: str, prompt_key: str, apply_chat_template: bool
+) -> str | list[dict]:
+    """Extract and validate the prompt field of one row."""
+    if prompt_key not in obj:
+        raise DatasetError(
+            f"{where}: missing prompt key '{prompt_key}'; keys present: {sorted(obj)}"
+        )
+    prompt = obj[prompt_key]
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise DatasetError(
+            f"{where}: field '{prompt_key}' must be a string or a list of chat "
+            f"messages, got {type(prompt).__name__}"
+        )
+    for i, msg in enumerate(prompt):
+        valid = isinstance(msg, dict) and isinstance(msg.get("role"), str) and "content" in msg
+        if not valid:
+            raise DatasetError(
+                f"{where}: field '{prompt_key}'[{i}] must be an object with "
+                f"'role' (string) and 'content'"
+            )
+    if not apply_chat_template:
+        raise DatasetError(
+            f"{where}: field '{prompt_key}' is a list of chat messages, which "
+            f"requires apply_chat_template=True"
+        )
+    return prompt
+
+
+def _get_metadata(obj: dict, where: str, metadata_key: str) -> dict:
+    """Extract the metadata dict of one row ({} when absent or null)."""
+    metadata = obj.get(metadata_key)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise DatasetError(
+            f"{where}: field '{metadata_key}' must be a JSON object, "
+            f"got {type(metadata).__name__}"
+        )
+    return metadata
+
+
+def encode_prompt(
+    tokenizer: Any, prompt: str | list[dict], apply_chat_template: bool
+) -> list[int]:
+    """Render (if chat) and tokenize one prompt without adding special tokens."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    else:
+        text = prompt
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class DataSource:
+    """Epoch-based iterator handing out prompts for each rollout step.
+
+    Each epoch visits the rows in an order that depends only on (seed, epoch): a
+    permutation from `np.random.default_rng([seed, epoch])` when shuffling, the file
+    order otherwise. The position is thus fully described by (epoch, offset), which
+    is all a checkpoint needs to store.
+
+    Each epoch yields `num_rollout_per_epoch = len(rows) // prompts_per_rollout`
+    rollouts; the last `len(rows) % prompts_per_rollout` rows of each epoch's order
+    are skipped so that epoch boundaries fall on rollout boundaries (with shuffling
+    a different remainder is skipped each epoch).
+    """
+
+    def __init__(
+        self,
+        rows: list[PromptRow],
+        *,
+        prompts_per_rollout: int,
+        n_samples_per_prompt: int,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        if prompts_per_rollout < 1:
+            raise ValueError(f"prompts_per_rollout must be >= 1, got {prompts_per_rollout}")
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy SeedSequence), got {seed}")
+        self.num_rollout_per_epoch = len(rows) // prompts_per_rollout
+        if self.num_rollout_per_epoch == 0:
+            raise ValueError(
+                f"dataset has {len(rows)} rows, fewer than "
+                f"prompts_per_rollout={prompts_per_rollout}"
+            )
+        self.rows = rows
+        self.prompts_per_rollout = prompts_per_rollout
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.shuffle = shuffle
+        self.seed = seed
+        self._epoch = 0
+        self._offset = 0
+        self._order = self._epoch_order(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch that the next rollout's prompts come from (0-based)."""
+        return self._epoch
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Row order for `epoch`, a function of (seed, epoch) only."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        return np.arange(len(self.rows))
+
+    def _set_position(self, epoch: int, offset: int) -> None:
+        """Move to (epoch, offset), rolling over when the epoch's rollouts are used up."""
+        usable = self.num_rollout_per_epoch * self.prompts_per_rollout
+        if offset + self.prompts_per_rollout > usable:
+            epoch, offset = epoch + 1, 0
+        if epoch != self._epoch:
+            self._order = self._epoch_order(epoch)
+        self._epoch, self._offset = epoch, offset
+
+    def next_prompts(self) -> list[PromptRow]:
+        """Return the next `prompts_per_rollout` rows and advance."""
+        end = self._offset + self.prompts_per_rollout
+        batch = [self.rows[int(i)] for i in self._order[self._offset:end]]
+        self._set_position(self._epoch, end)
+        return batch
+
+    def next_samples(self) -> list[Sample]:
+        """Return the next rollout's Samples, grouped by prompt.
+
+        All `n_samples_per_prompt` samples of the first prompt come first, then
+        those of the second prompt, and so on. Each Sample gets its own copies of
+        the mutable row fields so that one sample's changes never leak to another.
+        """
+        samples = []
+        for row in self.next_prompts():
+            for j in range(self.n_samples_per_prompt):
+                samples.append(
+                    Sample(
+                        prompt_index=row.index,
+                        sample_index=j,
+                        prompt=copy.deepcopy(row.prompt),
+                        label=copy.deepcopy(row.label),
+                        metadata=copy.deepcopy(row.metadata),
+                        prompt_ids=list(row.prompt_ids),
+                    )
+                )
+        return samples
+
+    def state_dict(self) -> dict:
+        """Position for checkpointing: {"epoch", "offset", "seed", "num_rows"}."""
+        return {
+            "epoch": self._epoch,
+            "offset": self._offset,
+            "seed": self.seed,
+            "num_rows": len(self.rows),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved by `state_dict`.
+
+        Raises:
+            ValueError: the state was saved for a different dataset size or seed
+                (resuming would silently visit different prompts), or is malformed.
+        """
+        missing = {"epoch", "offset", "seed", "num_rows"} - set(state)
+        if missing:
+            raise ValueError(f"data source state is missing keys {sorted(missing)}")
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(
+                f"data source state was saved with num_rows={state['num_rows']} but "
+                f"the dataset now has {len(self.rows)} rows; refusing to resume"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"data source state was saved with seed={state['seed']} but the "
+                f"configured seed is {self.seed}; refusing to resume"
+            )
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if epoch < 0 or not 0 <= offset <= len(self.rows):
+            raise ValueError(f"data source state has invalid epoch/offset: {epoch}/{offset}")
+        self._epoch = epoch
+        self._order = self._epoch_order(epoch)
+        self._set_position(epoch, offset)

@@ -1,0 +1,67 @@
+"""Driver-side handle to the rollout manager actor and the engine actors it drives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from tether.cluster import Placement, actor_resources, torch_threads, wait
+from tether.config import TetherConfig
+from tether.engine.embedded import EmbeddedEngine
+from tether.rollout.manager import RolloutManager
+
+
+def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
+    c = cfg.cluster
+    share = 2 if placement.colocate else 1
+    busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
+    cls = ray.remote(EmbeddedEngine)
+    device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
+    engines = [
+        cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
+            cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device)
+        for bundle in placement.engine_bundles
+    ]
+    wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
+    return engines
+
+
+class RolloutHandle:
+    def __init__(self, cfg: TetherConfig, engines: list[Any]):
+        self.timeout_s = cfg.cluster.call_timeout_s
+        self.engines = engines
+        # The manager only coordinates; a small CPU share outside the placement group is enough.
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"), engines)
+        self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
+
+    def _get(self, ref: Any, what: str) -> Any:
+        return wait(ref, self.timeout_s, f"rollout.{what}")
+
+    def num_rollout_per_epoch(self) -> int:
+        return self._get(self.actor.num_rollout_per_epoch.remote(), "num_rollout_per_epoch")
+
+    def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, float]]:
+        """(reference to the TrainBatch, metrics). Only the metrics are fetched to the driver."""
+        batch_ref, metrics_ref = self.actor.generate.options(num_returns=2).remote(rollout_id)
+        return batch_ref, self._get(metrics_ref, f"generate(rollout {rollout_id})")
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        return self._get(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")
+
+    def save_state(self, ckpt_dir: str) -> None:
+        self._get(self.actor.save_state.remote(ckpt_dir), f"save_state({ckpt_dir})")
+
+    def load_state(self, ckpt_dir: str) -> dict:
+        return self._get(self.actor.load_state.remote(ckpt_dir), f"load_state({ckpt_dir})")
+
+    def offload(self, tags: list[str]) -> None:
+        self._get(self.actor.release_memory.remote(tags), f"release engine memory {tags}")
+
+    def onload(self, tags: list[str]) -> None:
+        self._get(self.actor.resume_memory.remote(tags), f"resume engine memory {tags}")
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor)
+        for engine in self.engines:
+            ray.kill(engine)

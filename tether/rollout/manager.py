@@ -1,0 +1,156 @@
+"""The rollout manager: a Ray actor owning prompt data, engines, rewards and eval.
+
+``generate(rollout_id)`` draws the next prompts, samples n responses for each on the engines, scores
+them, and returns the TrainBatch (which stays in the object store: the driver passes the reference
+on to the trainer) together with a small dict of metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tether.batch import TrainBatch
+from tether.config import EvalDatasetConfig, TetherConfig, config_from_dict
+from tether.engine.sampling import SamplingParams
+from tether.rewards import compute_rewards, load_reward_fn
+from tether.rollout.data_source import DataSource, PromptRow, load_prompt_rows
+from tether.rollout.fleet import EngineFleet
+from tether.rollout.sample import Sample
+from tether.trainer.model import load_tokenizer
+
+DATA_STATE = "data_source.json"
+
+
+def rollout_metrics(samples: list[Sample], max_len: int) -> dict[str, float]:
+    rewards = [float(s.reward) for s in samples]
+    lengths = [s.response_length for s in samples]
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/samples": float(len(samples)),
+    }
+
+
+def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
+    return TrainBatch(
+        tokens=[s.prompt_ids + s.response_ids for s in samples],
+        prompt_lengths=[len(s.prompt_ids) for s in samples],
+        response_lengths=[s.response_length for s in samples],
+        group_size=group_size,
+        rewards=[float(s.reward) for s in samples],
+        rollout_logprobs=[list(s.response_logprobs) for s in samples],
+        temperature=temperature,
+        sample_ids=[(s.prompt_index, s.sample_index) for s in samples],
+    )
+
+
+class EvalSet:
+    """One named eval dataset with its own sampling settings and reward."""
+
+    def __init__(self, cfg: EvalDatasetConfig, rows: list[PromptRow], reward_spec: str):
+        self.cfg = cfg
+        self.rows = rows
+        self.reward_spec = reward_spec
+        self.reward_fn = load_reward_fn(reward_spec)
+        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_new_tokens=cfg.max_response_len)
+
+    def samples(self) -> list[Sample]:
+        return [
+            Sample(prompt_index=r.index, sample_index=j, prompt=r.prompt, label=r.label,
+                   metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids))
+            for r in self.rows for j in range(self.cfg.n_samples_per_prompt)
+        ]
+
+
+class RolloutManager:
+    def __init__(self, cfg_dict: dict, engines: list[Any]):
+        self.cfg: TetherConfig = config_from_dict(cfg_dict, "rollout manager")
+        d, r = self.cfg.data, self.cfg.rollout
+        self.tokenizer = load_tokenizer(self.cfg.model.path)
+        keys = dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                    apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len)
+        if d.path is None:
+            raise ValueError("data.path is required for RL training (a JSONL file of prompts)")
+        rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
+        self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
+                               n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
+        self.reward_fn = load_reward_fn(r.reward)
+        self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                     max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
+        self.fleet = EngineFleet(engines, self.cfg.cluster.call_timeout_s)
+        self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0], e.reward or r.reward)
+                          for e in self.cfg.eval.datasets]
+        self.samples_dir = Path(self.cfg.output_dir) / "rollouts"
+
+    def num_rollout_per_epoch(self) -> int:
+        return self.data.num_rollout_per_epoch
+
+    def data_info(self) -> dict:
+        return {"train_rows": len(self.data.rows), "filtered_long_prompts": self.filtered,
+                "eval_rows": {e.cfg.name: len(e.rows) for e in self.eval_sets}}
+
+    def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
+        """Samples for one rollout, scored. Called with num_returns=2: the batch stays in the object store."""
+        r = self.cfg.rollout
+        epoch = self.data.epoch
+        samples = self.data.next_samples()
+        metrics = self.fleet.generate(samples, self.params, r.n_samples_per_prompt, self._seed(rollout_id, 0),
+                                      self.tokenizer, f"rollout {rollout_id}")
+        start = time.perf_counter()
+        compute_rewards(self.reward_fn, samples, r.reward)
+        metrics["timing/reward_s"] = time.perf_counter() - start
+        metrics.update(rollout_metrics(samples, r.max_response_len))
+        metrics["rollout/epoch"] = float(epoch)
+        self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
+        return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        for k, eval_set in enumerate(self.eval_sets):
+            name = eval_set.cfg.name
+            samples = eval_set.samples()
+            self.fleet.generate(samples, eval_set.params, eval_set.cfg.n_samples_per_prompt,
+                                self._seed(rollout_id, k + 1), self.tokenizer, f"eval {name} at rollout {rollout_id}")
+            rewards = compute_rewards(eval_set.reward_fn, samples, eval_set.reward_spec)
+            metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
+            metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+            self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
+        metrics["timing/eval_s"] = time.perf_counter() - start
+        return metrics
+
+    def _seed(self, rollout_id: int, stream: int) -> int:
+        # Independent of call order: a resumed run samples rollout k exactly as an uninterrupted one.
+        return (self.cfg.seed * 1_000_003 + rollout_id) * 17 + stream
+
+    def _dump(self, samples: list[Sample], name: str) -> None:
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.samples_dir / name, "w") as f:
+            for s in samples:
+                f.write(json.dumps(s.to_dict()) + "\n")
+
+    # ------------------------------------------------------------ state and memory
+    def save_state(self, ckpt_dir: str) -> None:
+        (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self.data.state_dict()))
+
+    def load_state(self, ckpt_dir: str) -> dict:
+        state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
+        self.data.load_state_dict(state)
+        return state
+
+    def release_memory(self, tags: list[str]) -> None:
+        self.fleet.call_all("release_memory", tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.fleet.call_all("resume_memory", tags)
+
+    def engine_health(self) -> list[dict]:
+        return self.fleet.call_all("health")

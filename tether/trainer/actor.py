@@ -1,0 +1,161 @@
+"""The train actor: one rank of the trainer. Holds model, reference model, optimizer and schedule.
+
+Coarse methods only (init, train, push_weights, save, save_hf, offload/onload); the driver calls
+them on all ranks at once through TrainerGroup. Collectives run over gloo on CPU and NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tether.algorithms.losses import LossParams
+from tether.batch import TrainBatch
+from tether.checkpoint import load_trainer, save_trainer
+from tether.config import TetherConfig, config_from_dict
+from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_tokenizer, save_hf
+from tether.trainer.optim import build_optimizer, build_scheduler
+from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
+from tether.weight_sync import ObjectStoreSender, WeightSender
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class TrainActor:
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, threads: int = 0):
+        self.cfg: TetherConfig = config_from_dict(cfg_dict, "train actor")
+        self.rank, self.world = rank, world_size
+        self.device = "cuda" if self.cfg.cluster.gpus_per_bundle > 0 else "cpu"
+        if threads:
+            torch.set_num_threads(threads)
+        self.sender: WeightSender | None = None
+        self.ref_model = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup_distributed(self, master_addr: str, master_port: int) -> None:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=self.cfg.cluster.collective_timeout_s))
+        self.mesh = init_device_mesh(self.device, (self.world,))
+
+    def init(self, total_steps: int, with_ref: bool, load_dir: str | None) -> None:
+        """Build model (+ reference), optimizer and schedule; load a checkpoint when given."""
+        seed_everything(self.cfg.seed)
+        self.tokenizer = load_tokenizer(self.cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        model = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device)
+        if self.cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = apply_fsdp(model, self.mesh)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
+        if with_ref:
+            # The reference is the starting policy, frozen: KL is measured against where we began.
+            ref = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device).eval()
+            ref.requires_grad_(False)
+            self.ref_model = apply_fsdp(ref, self.mesh)
+        if load_dir:
+            load_trainer(Path(load_dir), self.model, self.optimizer, self.scheduler, self.rank)
+
+    def step_settings(self, policy_loss: str | None, global_batch_size: int) -> StepSettings:
+        a = self.cfg.algorithm
+        return StepSettings(
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            global_batch_size=global_batch_size,
+            pad_id=self.pad_id,
+            grad_clip=self.cfg.train.grad_clip,
+            policy_loss=policy_loss or a.policy_loss,
+            loss_params=LossParams(eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
+                                   kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef),
+            advantage_estimator=a.advantage_estimator,
+        )
+
+    def train(self, step_id: int, batch: TrainBatch, policy_loss: str | None = None,
+              global_batch_size: int | None = None) -> dict[str, float]:
+        """All optimizer steps on one batch (a rollout, or an SFT batch with policy_loss='sft')."""
+        start = time.perf_counter()
+        self.model.train()
+        settings = self.step_settings(policy_loss, global_batch_size or self.cfg.global_batch_size)
+        metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
+                                 self.rank, self.world, self.ref_model)
+        metrics["timing/train_s"] = time.perf_counter() - start
+        return metrics
+
+    @torch.no_grad()
+    def score(self, batch: TrainBatch) -> list[list[float]]:
+        """Log-probs of each response token under the current policy (diagnostics and tests)."""
+        self.model.eval()
+        settings = self.step_settings(None, len(batch))
+        mine = list(range(len(batch)))
+        out = response_logprobs(self.model, batch, mine, settings)
+        return [out[i].tolist() for i in mine]
+
+    # ------------------------------------------------------------ weights
+    def connect_engines(self, engines: list[Any]) -> None:
+        if self.rank == 0:
+            self.sender = ObjectStoreSender(engines, timeout_s=self.cfg.cluster.call_timeout_s)
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Gather full weights (collective) and stream them from rank 0 to every engine."""
+        tensors = ((name, t.to("cpu")) for name, t in full_tensors(self.model))
+        if self.rank == 0:
+            if self.sender is None:
+                raise RuntimeError("push_weights before connect_engines")
+            return self.sender.send(tensors, version)
+        for _ in tensors:  # other ranks take part in each gather
+            pass
+        return {}
+
+    # ------------------------------------------------------------ state
+    def save(self, staging_dir: str) -> None:
+        save_trainer(Path(staging_dir), self.model, self.optimizer, self.scheduler, self.rank)
+
+    def save_hf(self, out_dir: str) -> None:
+        save_hf(self.model, self.tokenizer, self.cfg.model.path, out_dir, self.rank)
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state off the accelerator (a no-op on a CPU-only run)."""
+        self._move("cpu")
+
+    def onload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.to(device)
+        if device == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

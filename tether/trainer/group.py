@@ -1,0 +1,67 @@
+"""Driver-side handle to the N train actors: creates them in the placement and calls them together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from tether.cluster import ActorGroup, Placement, actor_resources, torch_threads
+from tether.config import TetherConfig
+from tether.trainer.actor import TrainActor
+
+
+class TrainerGroup:
+    def __init__(self, cfg: TetherConfig, placement: Placement):
+        c = cfg.cluster
+        self.cfg = cfg
+        share = 2 if placement.colocate else 1
+        # Colocated parts take turns, so each may use all cores; disaggregated ones split them.
+        busy = c.num_train_actors if placement.colocate else c.num_train_actors + c.num_engines
+        threads = torch_threads(c, busy)
+        cls = ray.remote(TrainActor)
+        cfg_dict = cfg.model_dump(mode="json")
+        actors = [
+            cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share),
+                        name=None).remote(cfg_dict, rank, c.num_train_actors, threads)
+            for rank, bundle in enumerate(placement.train_bundles)
+        ]
+        self.group = ActorGroup(actors, "trainer", c.call_timeout_s)
+        master_addr, master_port = self.group.call("address", what="rank addresses")[0]
+        self.group.call("setup_distributed", master_addr, master_port, what="torch.distributed init")
+
+    def init(self, total_steps: int, with_ref: bool, load_dir: str | None) -> None:
+        self.group.call("init", total_steps, with_ref, load_dir, what=f"model init (load={load_dir})")
+
+    def train(self, step_id: int, batch_ref: Any, policy_loss: str | None = None,
+              global_batch_size: int | None = None) -> dict[str, float]:
+        # batch_ref is resolved by Ray inside each actor: the batch never passes through the driver.
+        return self.group.call("train", step_id, batch_ref, policy_loss, global_batch_size,
+                               what=f"train step {step_id}")[0]
+
+    def score(self, batch: Any) -> list[list[float]]:
+        return self.group.call("score", batch, what="score")[0]
+
+    def connect_engines(self, engines: list[Any]) -> None:
+        self.group.call("connect_engines", engines, what="connect engines")
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        return self.group.call("push_weights", version, what=f"weight push version {version}")[0]
+
+    def save(self, staging_dir: str) -> None:
+        self.group.call("save", staging_dir, what=f"checkpoint save to {staging_dir}")
+
+    def save_hf(self, out_dir: str) -> None:
+        self.group.call("save_hf", out_dir, what=f"HF export to {out_dir}")
+
+    def offload(self) -> None:
+        self.group.call("offload", what="offload")
+
+    def onload(self) -> None:
+        self.group.call("onload", what="onload")
+
+    def shutdown(self) -> None:
+        try:
+            self.group.call("shutdown", what="shutdown", timeout_s=30)
+        finally:
+            self.group.kill()

@@ -1,0 +1,184 @@
+"""One training iteration on a rank's share of a TrainBatch, as plain functions over a model.
+
+Order (per rollout): advantages from rewards (whole batch, identical on every rank) -> log-probs of
+the rollout tokens under the current policy ("old", before any update) and the reference model ->
+one or more optimizer steps over global batches, each accumulated over micro-batches.
+
+Normalisation: a loss is a token sum divided by the number of response tokens of the *global*
+batch (all micro-batches, all ranks), so accumulation over k micro-batches on r ranks gives the
+gradient of one big batch. FSDP averages gradients over ranks, so the loss is scaled by the world
+size before backward to turn that average back into the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tether.algorithms.advantages import broadcast_to_tokens, get_advantage_estimator
+from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
+from tether.algorithms.losses import LossInputs, LossParams, policy_objective
+from tether.batch import MicroBatch, TrainBatch, collate, split_micro_batches
+
+
+@dataclass
+class StepSettings:
+    micro_batch_size: int
+    global_batch_size: int
+    pad_id: int
+    grad_clip: float
+    policy_loss: str
+    loss_params: LossParams
+    advantage_estimator: str
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-position log-probs of the next token ([B, L-1]) and the entropy there.
+
+    entropy: "grad" (it is optimised), "metric" (logged only: computed without a graph), "none".
+    """
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+    logprobs = token_logprobs(logits, mb.targets, temperature)
+    if entropy == "grad":
+        return logprobs, entropy_from_logits(logits, temperature)
+    if entropy == "metric":
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach(), temperature)
+    return logprobs, None
+
+
+@torch.no_grad()
+def response_logprobs(model: nn.Module, batch: TrainBatch, indices: list[int], s: StepSettings) -> dict[int, torch.Tensor]:
+    """Log-probs of each sample's response tokens under ``model`` (no grad): {sample index: [R]}."""
+    out: dict[int, torch.Tensor] = {}
+    for chunk in split_micro_batches(indices, s.micro_batch_size):
+        mb = collate(batch, chunk, s.pad_id)
+        logprobs, _ = forward_logprobs(model, mb, batch.temperature)
+        for row, i in enumerate(chunk):
+            start = batch.prompt_lengths[i] - 1
+            out[i] = logprobs[row, start : start + batch.response_lengths[i]].clone()
+    return out
+
+
+def place(mb: MicroBatch, batch: TrainBatch, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Scatter per-sample response values ([R] each) into the micro-batch's [B, L-1] layout."""
+    out = torch.zeros_like(mb.response_mask)
+    for row, i in enumerate(mb.indices):
+        start = batch.prompt_lengths[i] - 1
+        out[row, start : start + batch.response_lengths[i]] = per_sample[i]
+    return out
+
+
+def sequence_advantages(batch: TrainBatch, estimator: str) -> tuple[torch.Tensor, dict[str, float]]:
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    return get_advantage_estimator(estimator)(rewards, batch.group_size)
+
+
+def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
+    """(sum |trainer - engine| over response tokens, token count, max) for this rank's samples."""
+    total, count, worst = 0.0, 0.0, 0.0
+    for i in indices:
+        if batch.response_lengths[i] == 0:
+            continue
+        diff = (old[i] - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)).abs()
+        total += float(diff.sum())
+        count += diff.numel()
+        worst = max(worst, float(diff.max()))
+    return total, count, worst
+
+
+def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
+    """Clip (or just measure) the global grad norm, step, and return the norm."""
+    # clip_grad_norm_ reduces the norm over all shards; max_norm=inf only measures it.
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def accumulate(metrics: dict[str, float], new: dict[str, float]) -> None:
+    for key, value in new.items():
+        metrics[key] = metrics.get(key, 0.0) + float(value)
+
+
+def run_global_step(model, batch: TrainBatch, mine: list[int], num_tokens: float, s: StepSettings,
+                    advantages: dict[int, torch.Tensor] | None, old: dict[int, torch.Tensor] | None,
+                    ref: dict[int, torch.Tensor] | None, world: int) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches of one global batch (no optimizer step)."""
+    metrics: dict[str, float] = {}
+    # Entropy is logged even when it is not optimised: its collapse is the first thing to look at.
+    entropy_mode = "grad" if s.loss_params.entropy_coef > 0 else "metric"
+    for chunk in split_micro_batches(mine, s.micro_batch_size):
+        mb = collate(batch, chunk, s.pad_id)
+        logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode)
+        inputs = LossInputs(
+            logprobs=logprobs,
+            old_logprobs=place(mb, batch, old) if old is not None else logprobs.detach(),
+            advantages=place(mb, batch, advantages) if advantages is not None else torch.zeros_like(logprobs),
+            mask=mb.response_mask,
+            num_tokens=num_tokens,
+            ref_logprobs=place(mb, batch, ref) if ref is not None else None,
+            entropy=entropy,
+        )
+        loss, parts = policy_objective(inputs, s.loss_params, s.policy_loss)
+        (loss * world).backward()
+        accumulate(metrics, parts)
+    return metrics
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
+                   ref_model: nn.Module | None = None) -> dict[str, float]:
+    """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics."""
+    batch.validate()
+    n = len(batch)
+    if n % s.global_batch_size:
+        raise ValueError(f"batch of {n} samples is not a multiple of global_batch_size={s.global_batch_size}")
+    is_rl = batch.rewards is not None
+    out: dict[str, float] = {}
+    advantages = old = ref = None
+    if is_rl:
+        seq_adv, adv_metrics = sequence_advantages(batch, s.advantage_estimator)
+        advantages = {i: seq_adv[i].expand(batch.response_lengths[i]) for i in range(n)}
+        out.update({f"train/adv_{k}": v for k, v in adv_metrics.items()})
+        everything_mine = [i for step in range(n // s.global_batch_size)
+                           for i in range(step * s.global_batch_size, (step + 1) * s.global_batch_size)[rank::world]]
+        old = response_logprobs(model, batch, everything_mine, s)
+        if ref_model is not None:
+            ref = response_logprobs(ref_model, batch, everything_mine, s)
+        total, count, worst = logprob_mismatch(batch, everything_mine, old)
+        total, count = all_reduce_sum([total, count])
+        out["mismatch/logprob_abs_diff_mean"] = total / max(count, 1.0)
+        out["mismatch/logprob_abs_diff_max"] = all_reduce_max(worst)
+    steps = n // s.global_batch_size
+    summed: dict[str, float] = {}
+    for step in range(steps):
+        global_idx = list(range(step * s.global_batch_size, (step + 1) * s.global_batch_size))
+        num_tokens = float(max(1, sum(batch.response_lengths[i] for i in global_idx)))
+        parts = run_global_step(model, batch, global_idx[rank::world], num_tokens, s, advantages, old, ref, world)
+        keys = sorted(parts)
+        reduced = dict(zip(keys, all_reduce_sum([parts[k] for k in keys])))
+        reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        reduced["grad_norm"] = optimizer_step(model, optimizer, scheduler, s.grad_clip)
+        accumulate(summed, reduced)
+    out.update({f"train/{k}": v / steps for k, v in summed.items()})
+    out["train/optimizer_steps"] = float(steps)
+    return out
