@@ -64,14 +64,14 @@ def sft(cfg: TetherConfig) -> dict:
     trainer = TrainerGroup(cfg, placement)
     try:
         trainer.init(total, with_ref=False, load_dir=None)
-        tracker = make_tracker(cfg)
+        tracker = make_tracker(cfg, step_label="sft step")
         with tracker:
             bar = tracker.progress(total, "sft steps")
             for step, batch in enumerate(batches(rows, bs, cfg.sft.num_epoch, cfg.seed)):
                 metrics = trainer.train(step, ray.put(batch), policy_loss="sft", global_batch_size=bs)
                 metrics["sft/epoch"] = float(step // steps_per_epoch)
                 # One line every ~5% of the run keeps the console readable; every step goes to the files.
-                tracker.console = (step + 1) % max(1, total // 20) == 0 or step + 1 == total
+                tracker.console = cfg.tracking.console and ((step + 1) % max(1, total // 20) == 0 or step + 1 == total)
                 tracker.log(step + 1, metrics, total=total)
                 bar.update(1)
             trainer.save_hf(str(Path(cfg.output_dir) / "hf"))

@@ -27,11 +27,11 @@ def resolve_resume(cfg: TetherConfig) -> tuple[str | None, int]:
     return str(path), rollout_id + 1
 
 
-def make_tracker(cfg: TetherConfig) -> Tracker:
+def make_tracker(cfg: TetherConfig, step_label: str = "rollout") -> Tracker:
     t = cfg.tracking
     return Tracker(cfg.output_dir, run_name=t.run_name or Path(cfg.output_dir).name, config=cfg.model_dump(mode="json"),
                    jsonl=t.jsonl, tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
-                   wandb_mode=t.wandb_mode, console=t.console)
+                   wandb_mode=t.wandb_mode, console=t.console, step_label=step_label)
 
 
 def train(cfg: TetherConfig) -> dict:

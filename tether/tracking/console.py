@@ -95,14 +95,14 @@ def _timing_part(metrics: Mapping[str, Any]) -> str | None:
     return " ".join(items) if items else None
 
 
-def format_rollout_line(step: int, total: int | None, metrics: Mapping[str, Any]) -> str:
+def format_rollout_line(step: int, total: int | None, metrics: Mapping[str, Any], label: str = "rollout") -> str:
     """One compact line summarising a rollout step.
 
     Only metrics present in ``metrics`` are shown, always in the same order; eval
     scores and timings get their own ``|``-separated sections when present.
     Unknown keys are ignored (they still reach JSONL/TensorBoard/W&B).
     """
-    head = f"[rollout {step}/{total}]" if total is not None else f"[rollout {step}]"
+    head = f"[{label} {step}/{total}]" if total is not None else f"[{label} {step}]"
     train_items: list[str] = []
     reward = _reward_part(metrics)
     if reward is not None:

@@ -106,11 +106,13 @@ class Tracker:
         wandb_mode: str = "offline",
         console: bool = True,
         resume_run_id: str | None = None,
+        step_label: str = "rollout",
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
         self.console = console
+        self.step_label = step_label  # what a step is called on the console: "rollout", "sft step"
         self._run_id = resume_run_id or _new_run_id()
         self._start = time.time()
         self._rows: list[dict[str, Any]] = []  # this session's rows, used when jsonl=False
@@ -191,7 +193,7 @@ class Tracker:
             self._wandb_run.log(values, step=int(step))
         if self.console:
             total = total if total is not None else self._total
-            self._echo(format_rollout_line(int(step), total, values))
+            self._echo(format_rollout_line(int(step), total, values, self.step_label))
 
     def _echo(self, line: str) -> None:
         # tqdm.write clears and redraws any live progress bar (ours or another

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite: unit tests, CPU integration tests (Ray + gloo) and the tiny recipe end to end.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny model directory, a prompt file, and a Ray session for integration tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tether.tiny import build_char_tokenizer, build_tiny_model
+
+USER_REWARD = Path(__file__).parent / "integration" / "user_reward.py"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Qwen2 (hidden 32) with a character tokenizer, random weights."""
+    out = tmp_path_factory.mktemp("tiny_model")
+    tokenizer = build_char_tokenizer(chat_template=True)
+    return build_tiny_model(out, tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, max_positions=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def addition_data(tmp_path_factory) -> dict[str, Path]:
+    """train.jsonl (64 prompts) and eval.jsonl (8 prompts) of 'a+b=' with the sum as label."""
+    out = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    paths = {}
+    for name, n in (("train", 64), ("eval", 8)):
+        rows = []
+        for _ in range(n):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            rows.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
+        paths[name] = out / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft_rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a in range(8) for b in range(8)]
+    paths["sft"] = out / "sft.jsonl"
+    paths["sft"].write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    return paths
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for all integration tests (starting Ray costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+def tiny_config(model_dir: Path, data: dict[str, Path], out: Path, **sections) -> dict:
+    """A raw config for a fast run: 4 prompts x 4 samples, 4-token responses."""
+    cfg = {
+        "output_dir": str(out),
+        "seed": 0,
+        "cluster": {"num_train_actors": 1, "num_engines": 1, "colocate": True, "call_timeout_s": 120,
+                    "collective_timeout_s": 60, "torch_threads": 1},
+        "model": {"path": str(model_dir)},
+        "data": {"path": str(data["train"])},
+        "rollout": {"num_rollout": 3, "prompts_per_rollout": 4, "n_samples_per_prompt": 4,
+                    "max_response_len": 4, "reward": f"{USER_REWARD}:digit_fraction"},
+        "train": {"lr": 1e-3, "micro_batch_size": 4, "global_batch_size": 8},
+        "eval": {"interval": 2, "datasets": [{"name": "add", "path": str(data["eval"]), "temperature": 0.0,
+                                              "max_response_len": 4, "reward": "exact_match"}]},
+        "checkpoint": {"save_interval": 2},
+        "tracking": {"tensorboard": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
