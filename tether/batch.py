@@ -49,9 +49,12 @@ class TrainBatch:
 
     def validate(self) -> None:
         n = len(self.tokens)
-        for name in ("prompt_lengths", "response_lengths"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
+        for name in ("prompt_lengths", "response_lengths", "rewards", "rollout_logprobs", "sample_ids"):
+            values = getattr(self, name)
+            if values is None or (name == "sample_ids" and not values):
+                continue  # optional fields
+            if len(values) != n:
+                raise ValueError(f"TrainBatch.{name} has {len(values)} entries for {n} samples")
         for i, (toks, p, r) in enumerate(zip(self.tokens, self.prompt_lengths, self.response_lengths)):
             if p < 1 or p + r != len(toks):
                 raise ValueError(f"TrainBatch sample {i}: prompt {p} + response {r} != {len(toks)} tokens")

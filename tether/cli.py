@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tether.config import ConfigError, TetherConfig, dump_config, load_config
+from tether.config import ConfigError, TetherConfig, check_inputs, dump_config, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,10 +27,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> TetherConfig:
-    overrides = list(args.overrides)
+    cfg = load_config(args.config, list(args.overrides))
     if getattr(args, "load", None):
-        overrides.append(f"checkpoint.load={args.load}")
-    return load_config(args.config, overrides)
+        # Set as is, not parsed as a YAML override: a path may contain '#' or look like a number.
+        cfg.checkpoint.load = args.load
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dump_config(cfg), end="")
         return 0
+    try:
+        check_inputs(cfg, args.command)
+    except ConfigError as err:
+        print(f"tether: {err}", file=sys.stderr)
+        return 2
     if args.command == "train":
         from tether.train import train
 

@@ -225,15 +225,25 @@ class TetherConfig(Section):
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     cluster: ClusterConfig = ClusterConfig()
+    """Ray, placement and process layout."""
     model: ModelConfig
+    """The policy model."""
     data: DataConfig = DataConfig()
+    """Prompt data for RL."""
     rollout: RolloutConfig = RolloutConfig()
+    """How many rollouts, how big, how responses are sampled and scored."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantage estimator, policy loss, KL and entropy terms."""
     train: TrainConfig = TrainConfig()
+    """Optimizer, schedule and batching of the trainer."""
     eval: EvalConfig = EvalConfig()
+    """Evaluation datasets and interval."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """Saving, resuming and exporting."""
     tracking: TrackingConfig = TrackingConfig()
+    """Metrics destinations."""
     sft: SFTConfig = SFTConfig()
+    """Supervised fine-tuning data (`tether sft`)."""
 
     @model_validator(mode="after")
     def _check_consistency(self) -> TetherConfig:
@@ -251,6 +261,8 @@ class TetherConfig(Section):
             )
         if self.cluster.offload and not self.cluster.colocate:
             raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
+        if self.train.min_lr > self.train.lr:
+            raise ValueError(f"train.min_lr={self.train.min_lr} is larger than train.lr={self.train.lr}")
         names = [d.name for d in self.eval.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"eval.datasets names must be unique, got {names}")
@@ -315,7 +327,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> TetherConfig:
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TetherConfig:
     """Read a YAML recipe, apply ``section.field=value`` overrides, validate."""
     raw: dict = {}
-    source = "overrides"
+    source = "command line"
     if path is not None:
         path = Path(path)
         source = str(path)
@@ -331,6 +343,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if overrides:
         source += " with overrides " + " ".join(overrides)
     return config_from_dict(raw, source)
+
+
+def check_inputs(cfg: TetherConfig, command: str) -> None:
+    """Fail before any process starts when a file the command needs is missing; names the field."""
+    needed = {"model.path": cfg.model.path}
+    if command == "train":
+        needed["data.path"] = cfg.data.path
+        needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
+    elif command == "sft":
+        needed["sft.path"] = cfg.sft.path
+    problems = []
+    for field, value in needed.items():
+        if value is None:
+            problems.append(f"  {field}: required for `tether {command}`")
+        elif not Path(value).exists():
+            problems.append(f"  {field}: {value} does not exist")
+    if problems:
+        raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
 
 
 def dump_config(cfg: TetherConfig) -> str:

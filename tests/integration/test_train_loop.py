@@ -20,8 +20,10 @@ LAYOUTS = {
     "2actors-colocated": {"num_train_actors": 2, "colocate": True},
     "1actor-disaggregated": {"num_train_actors": 1, "colocate": False},
     "2actors-disaggregated-2engines": {"num_train_actors": 2, "colocate": False, "num_engines": 2},
-    "1actor-colocated-offload": {"num_train_actors": 1, "colocate": True, "offload": True},
+    "1actor-colocated-offload-kl": {"num_train_actors": 1, "colocate": True, "offload": True},
 }
+# Extra sections per layout: the KL loss (with a reference model) and the entropy bonus ride along once.
+EXTRA = {"1actor-colocated-offload-kl": {"algorithm": {"kl_loss_coef": 0.01, "kl_loss_type": "k3", "entropy_coef": 0.001}}}
 
 
 def read_rows(path):
@@ -30,7 +32,7 @@ def read_rows(path):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loop_runs_and_learns_something(layout, ray_session, tiny_model_dir, addition_data, tmp_path):
-    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", cluster=LAYOUTS[layout])
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", cluster=LAYOUTS[layout], **EXTRA.get(layout, {}))
     summary = train(config_from_dict(raw))
 
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")
@@ -43,6 +45,8 @@ def test_loop_runs_and_learns_something(layout, ray_session, tiny_model_dir, add
             assert row.get(key) is not None, (key, row)
         # float32 engine and trainer compute the same log-probs for the same tokens
         assert row["mismatch/logprob_abs_diff_max"] < 1e-4, row
+        if layout in EXTRA:
+            assert row.get("train/kl") is not None  # measured against the frozen reference
     assert summary["plot"] and (tmp_path / "run" / "curves.png").stat().st_size > 1000
 
     # The exported model differs from the starting one: training changed the weights.

@@ -152,9 +152,6 @@ def test_validate_rejects_wrong_logprob_count():
         batch.validate()
 
 
-@pytest.mark.xfail(strict=True, reason="TrainBatch.validate() checks only prompt/response lengths: a rewards, "
-                                       "rollout_logprobs or (non-empty) sample_ids list with a different number of "
-                                       "entries than samples passes, or fails with a bare IndexError")
 @pytest.mark.parametrize("field", ["rewards", "rollout_logprobs", "sample_ids"])
 def test_validate_rejects_per_sample_fields_of_wrong_length(field):
     batch = _batch()

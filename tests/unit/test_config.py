@@ -325,9 +325,6 @@ def test_cli_load_sets_checkpoint_load(recipe, tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["checkpoint"]["load"] == str(ckpt)
 
 
-@pytest.mark.xfail(strict=True, reason="cli: --load DIR is turned into the override checkpoint.load=DIR and parsed "
-                                       "as YAML, so ' #...' in the path is dropped as a comment (silently loading "
-                                       "another directory) and a numeric name like 2024 is rejected as an int")
 @pytest.mark.parametrize("name", ["run #3", "2024"])
 def test_cli_load_keeps_the_path_verbatim(recipe, tmp_path, capsys, name):
     ckpt = str(tmp_path / name) if name.startswith("run") else name
@@ -361,8 +358,6 @@ def test_every_section_field_has_a_description(cls):
     assert not missing, f"{cls.__name__} fields without a description: {missing}"
 
 
-@pytest.mark.xfail(strict=True, reason="TetherConfig's section fields (cluster, model, data, rollout, ...) have no "
-                                       "attribute docstrings, so model_fields[name].description is None for them")
 def test_top_level_fields_have_descriptions():
     missing = [name for name, field in TetherConfig.model_fields.items() if not (field.description or "").strip()]
     assert not missing, f"TetherConfig fields without a description: {missing}"

@@ -442,9 +442,6 @@ def test_unknown_memory_tag(engine):
     assert engine.health()["released"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="EmbeddedEngine.generate checks only `released`, not the tensors still "
-                                       "pending after resume_memory(['weights']): it silently samples from "
-                                       "uninitialised (torch.empty) weights instead of raising")
 def test_generate_after_resume_without_reload_raises(engine, prompts):
     engine.release_memory(["weights"])
     engine.resume_memory(["weights"])

@@ -39,6 +39,9 @@ class EmbeddedEngine(Engine):
     def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
         if self.released:
             raise EngineError(f"engine memory is released ({sorted(self.released)}): resume it before generate")
+        if self._pending:
+            raise EngineError(f"{len(self._pending)} weight tensors were reallocated but never loaded "
+                              f"(e.g. {sorted(self._pending)[0]}): push weights before generate")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         outputs: list[GenerateOutput | None] = [None] * len(requests)
         # Requests with the same sampling settings share a batch (a rollout is usually one group).

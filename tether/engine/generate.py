@@ -7,6 +7,7 @@ then sees the same positions for the same tokens).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +36,19 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """Newer transformers name the KV-cache argument `cache`; older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def generate_batch(model: nn.Module, prompts: list[list[int]], params: SamplingParams, eos_ids: set[int],
                    pad_id: int, generator: torch.Generator | None = None) -> list[GenerateOutput]:
     """Sample one response per prompt; a row stops at an eos/stop token (kept in the output)."""
     ids, mask = left_pad(prompts, pad_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+    kv = {cache_kwarg(model): DynamicCache()}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kv).logits[:, -1]
     stop = set(eos_ids) | set(params.stop_token_ids)
     stop_tensor = torch.tensor(sorted(stop), dtype=torch.long)
     n = len(prompts)
@@ -62,7 +68,7 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], params: SamplingP
         step_tokens = tokens.masked_fill(done, pad_id)[:, None]
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
         logits = model(input_ids=step_tokens, attention_mask=mask, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+                       use_cache=True, **kv).logits[:, -1]
         next_pos = next_pos + 1
     return [
         GenerateOutput(ids_, lps, "stop" if ids_ and ids_[-1] in stop else "length")
