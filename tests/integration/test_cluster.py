@@ -1,0 +1,64 @@
+"""Placement, fan-out calls and timeouts on a real local Ray; failures that name their cause."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+
+from tests.conftest import USER_REWARD, tiny_config
+from tether.cluster import ActorGroup, RemoteTimeout, plan_placement, wait
+from tether.config import ClusterConfig, config_from_dict
+from tether.train import train
+
+pytestmark = pytest.mark.integration
+
+
+@ray.remote(num_cpus=0.1)
+class Sleeper:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+def test_wait_times_out_naming_the_call(ray_session):
+    actor = Sleeper.remote(0)
+    with pytest.raises(RemoteTimeout, match=r"timed out after 1s waiting for sleeper.nap\(rollout 7\)"):
+        wait(actor.nap.remote(30), 1, "sleeper.nap(rollout 7)")
+    ray.kill(actor)
+
+
+def test_actor_group_fans_out_and_times_out(ray_session):
+    group = ActorGroup([Sleeper.remote(r) for r in range(3)], "sleepers", timeout_s=30)
+    assert group.call("nap", 0.0, what="quick") == [0, 1, 2]
+    with pytest.raises(RemoteTimeout, match=r"sleepers.nap\(slow\) on 3 actor\(s\)"):
+        group.call("nap", 30, what="slow", timeout_s=1)
+    group.kill()
+
+
+# Colocated: max(trainers, engines) shared bundles. Disaggregated: trainer bundles, then engine bundles.
+@pytest.mark.parametrize("colocate, expected_bundles, engines", [(True, 3, [0, 1, 2]), (False, 5, [2, 3, 4])])
+def test_placement_layouts(ray_session, colocate, expected_bundles, engines):
+    cfg = ClusterConfig(num_train_actors=2, num_engines=3, colocate=colocate, cpus_per_bundle=0.5)
+    placement = plan_placement(cfg)
+    try:
+        assert len(placement.group.bundle_specs) == expected_bundles
+        assert placement.train_bundles == [0, 1]
+        assert placement.engine_bundles == engines
+    finally:
+        placement.remove()
+
+
+def test_reward_that_raises_stops_the_run_with_its_name(ray_session, tiny_model_dir, addition_data, tmp_path):
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", rollout={"reward": f"{USER_REWARD}:broken"})
+    with pytest.raises(Exception, match=r"broken") as info:
+        train(config_from_dict(raw))
+    assert "prompt_index" in str(info.value) or "prompt index" in str(info.value)
+    # What was done before the failure is kept: the baseline eval row is on disk.
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[0]["step"] == 0 and "eval/add/score" in rows[0]
