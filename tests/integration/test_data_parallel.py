@@ -1,0 +1,67 @@
+"""One optimizer step is the same whatever the layout: 1 or 2 ranks, big or small micro-batches.
+
+The loss is normalised by the global token count and scaled back up by the world size before FSDP
+averages gradients, so every layout must reach the same weights (up to float32 summation order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import tiny_config
+from tether.batch import TrainBatch
+from tether.cluster import plan_placement
+from tether.config import config_from_dict
+from tether.trainer.group import TrainerGroup
+
+pytestmark = pytest.mark.integration
+
+
+def rl_batch() -> TrainBatch:
+    """8 samples in 2 groups of 4, uneven lengths, with engine log-probs and rewards."""
+    g = torch.Generator().manual_seed(0)
+    tokens, prompt_lengths, response_lengths, logprobs = [], [], [], []
+    for i in range(8):
+        p, r = 3 + i % 3, 2 + (i * 5) % 4
+        tokens.append(torch.randint(3, 60, (p + r,), generator=g).tolist())
+        prompt_lengths.append(p)
+        response_lengths.append(r)
+        logprobs.append((-torch.rand(r, generator=g) * 3).tolist())
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
+    return TrainBatch(tokens=tokens, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+                      group_size=4, rewards=rewards, rollout_logprobs=logprobs, temperature=0.9)
+
+
+def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, micro_batch_size: int):
+    raw = tiny_config(model_dir, data, tmp_path, cluster={"num_train_actors": num_train_actors},
+                      train={"lr": 1e-2, "micro_batch_size": micro_batch_size, "global_batch_size": 8,
+                             "grad_clip": 0.0},
+                      rollout={"prompts_per_rollout": 2, "n_samples_per_prompt": 4})
+    cfg = config_from_dict(raw)
+    placement = plan_placement(cfg.cluster)
+    trainer = TrainerGroup(cfg, placement)
+    try:
+        trainer.init(total_steps=1, with_ref=False, load_dir=None)
+        metrics = trainer.train(0, ray.put(rl_batch()))
+        out = tmp_path / f"hf_{num_train_actors}_{micro_batch_size}"
+        trainer.save_hf(str(out))
+    finally:
+        trainer.shutdown()
+        placement.remove()
+    return load_file(str(out / "model.safetensors")), metrics
+
+
+def test_layouts_reach_the_same_weights(ray_session, tiny_model_dir, addition_data, tmp_path):
+    reference, ref_metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, 1, 8)
+    for actors, micro in ((1, 2), (2, 4), (2, 1)):
+        weights, metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, actors, micro)
+        worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        assert worst < 1e-5, (actors, micro, worst)
+        # metrics are global sums too, so they agree across layouts
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (key, actors, micro)
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert max(float((reference[k] - start[k]).abs().max()) for k in start) > 1e-4  # the step did move them
