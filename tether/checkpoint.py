@@ -5,9 +5,10 @@ Layout of ``<checkpoint_dir>``::
     latest                      text file naming the newest complete checkpoint (moved last)
     rollout_000012/             state after rollout 12 finished
         meta.json               rollout id, wall time, resolved config
-        train/                  torch.distributed.checkpoint (DCP) shards: model + optimizer
-        rank0.pt, rank1.pt ...  LR scheduler and RNG states (python, numpy, torch) per trainer rank
+        train/                  torch.distributed.checkpoint (DCP): model and optimizer shards, LR
+                                scheduler, RNG states (python, numpy, torch) of every trainer rank
         data_source.json        prompt-data position (epoch, offset, seed)
+        hf_config/              the model's config and tokenizer (no weights): `tether export` needs nothing else
 
 A checkpoint is written to ``rollout_000012.tmp`` and renamed only when every part is there, so a
 crash mid-save leaves the previous checkpoint valid. DCP re-shards on load, so a run saved with N
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 LATEST = "latest"
+META = "meta.json"
+HF_CONFIG = "hf_config"  # the model's config and tokenizer files, so a checkpoint exports on its own
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def checkpoint_name(rollout_id: int) -> str:
@@ -50,11 +57,18 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def commit(root: str | Path, rollout_id: int, config: dict) -> Path:
-    """Seal a staged checkpoint: meta.json, rename into place, then move ``latest``."""
+def manifest(path: Path) -> dict[str, int]:
+    """Every file of a checkpoint with its size: how a truncated or half-copied one is recognised."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def commit(root: str | Path, rollout_id: int, config: dict, extra: dict | None = None) -> Path:
+    """Seal a staged checkpoint: meta.json with the manifest, rename into place, then move ``latest``."""
     root = Path(root)
     staged = root / (checkpoint_name(rollout_id) + ".tmp")
-    (staged / "meta.json").write_text(json.dumps({"rollout_id": rollout_id, "time": time.time(), "config": config}, indent=1))
+    meta = {"rollout_id": rollout_id, "time": time.time(), "config": config, **(extra or {}),
+            "manifest": manifest(staged)}
+    (staged / META).write_text(json.dumps(meta, indent=1))
     final = root / checkpoint_name(rollout_id)
     if final.exists():
         shutil.rmtree(final)
@@ -63,73 +77,154 @@ def commit(root: str | Path, rollout_id: int, config: dict) -> Path:
     return final
 
 
-def is_complete(path: Path) -> bool:
-    return (path / "meta.json").is_file() and (path / "train" / ".metadata").is_file() and (path / "data_source.json").is_file()
-
-
-def find_latest(root: str | Path) -> tuple[Path, int] | None:
-    """The newest complete checkpoint under ``root`` as (path, rollout id), or None."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if is_complete(path):
-            return path, json.loads((path / "meta.json").read_text())["rollout_id"]
-    # No usable pointer: fall back to the newest complete directory.
-    for path in sorted(root.glob("rollout_*"), reverse=True):
-        if path.suffix != ".tmp" and is_complete(path):
-            return path, json.loads((path / "meta.json").read_text())["rollout_id"]
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be used, or None when it is complete."""
+    if not (path / META).is_file():
+        return "no meta.json (the save did not finish)"
+    try:
+        meta = json.loads((path / META).read_text())
+    except json.JSONDecodeError as err:
+        return f"meta.json is not valid JSON ({err})"
+    for required in ("train/.metadata", "data_source.json"):
+        if not (path / required).is_file():
+            return f"{required} is missing"
+    for name, size in meta.get("manifest", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
     return None
 
 
-class ModelOptimState(Stateful):
-    """Model and optimizer as one DCP Stateful (sharded state dicts, re-sharded on load)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def is_complete(path: Path) -> bool:
+    return problem(path) is None
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def read_meta(path: str | Path) -> dict:
+    return json.loads((Path(path) / META).read_text())
 
 
-def set_rng_state(state: dict) -> None:
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint directories, the one ``latest`` names first, then newest to oldest."""
+    dirs = sorted((p for p in root.glob("rollout_*") if p.is_dir() and p.suffix != ".tmp"), reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in dirs:
+            dirs.remove(named)
+            dirs.insert(0, named)
+    return dirs
+
+
+def find_latest(root: str | Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under ``root`` as (path, rollout id), or None.
+
+    A broken one (interrupted copy, truncated shard, missing part) is skipped with a warning that
+    names it and says what is wrong; the previous complete one is used.
+    """
+    root = Path(root)
+    for path in _candidates(root):
+        issue = problem(path)
+        if issue is None:
+            return path, read_meta(path)["rollout_id"]
+        warnings.warn(f"skipping checkpoint {path}: {issue}", stacklevel=2)
+    return None
+
+
+def copy_hf_config(source: Path, dest: Path) -> None:
+    """Copy an HF model directory without its weights (config, generation config, tokenizer)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            shutil.copy2(f, dest / f.name)
+
+
+def prune(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; returns what was removed."""
+    complete = [p for p in sorted(Path(root).glob("rollout_*"), reverse=True) if p.suffix != ".tmp" and is_complete(p)]
+    removed = complete[keep_last:]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def rng_state() -> bytes:
+    """Python, numpy and torch RNG states, pickled: DCP stores bytes as they are."""
+    return pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+
+
+def set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
 
 
+class TrainerState(Stateful):
+    """One rank's trainer state as a DCP Stateful: model and optimizer (sharded, re-sharded on load),
+    LR scheduler (replicated), and this rank's RNG streams (one key per rank)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int, rng_rank: int | None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.rank = rank
+        self.rng_rank = rng_rank  # whose RNG to restore on load; None: keep the seeded one
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        state[f"rng_rank{self.rank}"] = rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.rng_rank is not None:
+            set_rng_state(state[f"rng_rank{self.rng_rank}"])
+
+    def request(self) -> dict:
+        """The state dict to load into: this object's own, asking for the RNG key it restores."""
+        state = self.state_dict()
+        del state[f"rng_rank{self.rank}"]
+        if self.rng_rank is not None:
+            state[f"rng_rank{self.rng_rank}"] = b""
+        return state
+
+
 def save_trainer(path: Path, model, optimizer, scheduler, rank: int) -> None:
     """Collective: every trainer rank calls it with the same staging path."""
-    dcp.save({"train": ModelOptimState(model, optimizer)}, checkpoint_id=str(path / "train"))
-    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, path / f"rank{rank}.pt")
+    dcp.save({"train": TrainerState(model, optimizer, scheduler, rank, None)}, checkpoint_id=str(path / "train"))
 
 
-def load_trainer(path: Path, model, optimizer, scheduler, rank: int) -> None:
-    """Collective. RNG comes from this rank's file when it exists (same world size), else rank 0's."""
-    dcp.load({"train": ModelOptimState(model, optimizer)}, checkpoint_id=str(path / "train"))
-    own = path / f"rank{rank}.pt"
-    extra = torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
+def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world_size: int) -> None:
+    """Collective. RNG streams continue exactly when the world size is unchanged; a rank that did
+    not exist at save time keeps its freshly seeded RNG (nothing in training draws from it yet)."""
+    state = TrainerState(model, optimizer, scheduler, rank, rank if rank < saved_world_size else None)
+    request = {"train": state.request()}
+    dcp.load(request, checkpoint_id=str(path / "train"))
+    state.load_state_dict(request["train"])
 
 
 class Checkpointer:
-    """Stages and commits checkpoints under one root; the loop asks it for staging directories."""
+    """Stages, commits and prunes checkpoints under one root; the loop asks it for staging directories."""
 
-    def __init__(self, root: str | Path, config: dict):
+    def __init__(self, root: str | Path, config: dict, keep_last: int | None = None,
+                 extra: Callable[[], dict] | None = None, hf_source: str | None = None):
         self.root = Path(root)
         self.config = config
+        self.keep_last = keep_last
+        self.extra = extra or dict  # more meta.json fields, read at commit time (e.g. tracker state)
+        self.hf_source = hf_source
 
     def stage(self, rollout_id: int) -> str:
-        return str(staging_dir(self.root, rollout_id))
+        path = staging_dir(self.root, rollout_id)
+        if self.hf_source:
+            copy_hf_config(Path(self.hf_source), path / HF_CONFIG)
+        return str(path)
 
-    def commit(self, rollout_id: int) -> str:
-        return str(commit(self.root, rollout_id, self.config))
+    def commit(self, rollout_id: int, metrics: dict | None = None) -> str:
+        """Seal the checkpoint; ``metrics`` (the rollout's metrics row) is kept in meta.json."""
+        path = commit(self.root, rollout_id, self.config, {**self.extra(), "metrics_row": metrics})
+        if self.keep_last:
+            prune(self.root, self.keep_last)
+        return str(path)

@@ -2,6 +2,7 @@
 
     tether train --config recipe.yaml [section.field=value ...] [--load DIR] [--dry-run]
     tether sft   --config sft.yaml    [section.field=value ...] [--dry-run]
+    tether export CKPT OUT
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
         if name == "train":
             p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+    export = sub.add_parser("export", help="write a checkpoint's model as an HF directory",
+                            description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
+    export.add_argument("out", help="output directory")
     return parser
 
 
@@ -36,6 +41,11 @@ def _load(args: argparse.Namespace) -> TetherConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export":
+        from tether.export import export_checkpoint
+
+        print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+        return 0
     try:
         cfg = _load(args)
     except ConfigError as err:
@@ -49,14 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"tether: {err}", file=sys.stderr)
         return 2
-    if args.command == "train":
-        from tether.train import train
+    try:
+        if args.command == "train":
+            from tether.train import train
 
-        train(cfg)
-    else:
-        from tether.sft import sft
+            train(cfg)
+        else:
+            from tether.sft import sft
 
-        sft(cfg)
+            sft(cfg)
+    except ConfigError as err:  # e.g. a resume whose config no longer matches the checkpoint
+        print(f"tether: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -183,8 +183,12 @@ class CheckpointConfig(Section):
     """Where checkpoints go (default: <output_dir>/checkpoints)."""
     save_interval: int | None = Field(None, ge=1)
     """Save every this many rollouts (and always at each epoch end and the last rollout)."""
+    keep_last: int | None = Field(None, ge=1)
+    """Keep only this many newest checkpoints (None: keep all)."""
     load: str | None = None
     """Resume from the latest complete checkpoint in this directory."""
+    allow_config_change: list[str] = []
+    """Fields (dotted paths) you mean to change when resuming, beyond the always-allowed ones."""
     export_hf: bool = True
     """Write an HF-format model (safetensors + tokenizer) to <output_dir>/hf at the end."""
 
@@ -222,8 +226,10 @@ class SFTConfig(Section):
 class TetherConfig(Section):
     output_dir: str = "outputs/run"
     """Everything a run writes: metrics, plots, checkpoints, the exported model."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seeds data order, sampling and initialisation."""
+    deterministic: bool = False
+    """Deterministic kernels everywhere: two runs with the same seed give bitwise identical weights (CPU)."""
     cluster: ClusterConfig = ClusterConfig()
     """Ray, placement and process layout."""
     model: ModelConfig

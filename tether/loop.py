@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether.engine.base import KV_CACHE, WEIGHTS
+from tether.faults import crash_point
 
 
 class Trainer(Protocol):
@@ -34,7 +35,7 @@ class Rollout(Protocol):
 
 class Checkpointer(Protocol):
     def stage(self, rollout_id: int) -> str: ...
-    def commit(self, rollout_id: int) -> str: ...
+    def commit(self, rollout_id: int, metrics: dict[str, float] | None = None) -> str: ...
 
 
 class Tracker(Protocol):
@@ -51,6 +52,8 @@ class LoopPlan:
     save_interval: int | None
     offload: bool
     has_eval: bool
+    redo_eval: bool = False
+    """Resuming after a crash that lost the eval of the checkpointed rollout: run it first."""
 
     def eval_due(self, rollout_id: int) -> bool:
         """After rollout k when k+1 is a multiple of the interval, and after the last rollout."""
@@ -86,6 +89,8 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
             first.update(rollout.eval(0))
         first["timing/weight_sync_s"] = first.pop("weight_sync/seconds", 0.0)
         tracker.log(0, first, total=plan.num_rollout)
+    elif plan.redo_eval and plan.eval_due(plan.start - 1):
+        tracker.log(plan.start, rollout.eval(plan.start), total=plan.num_rollout)
     for rollout_id in range(plan.start, plan.num_rollout):
         t0 = time.perf_counter()
         batch_ref, metrics = rollout.generate(rollout_id)
@@ -97,9 +102,13 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
             t_save = time.perf_counter()
             staging = checkpointer.stage(rollout_id)
             trainer.save(staging)
+            crash_point("save", rollout_id)  # the staging directory is half written here
             rollout.save_state(staging)
-            checkpointer.commit(rollout_id)
             metrics["timing/save_s"] = time.perf_counter() - t_save
+            # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
+            # must not lose the row of a rollout that a resume will not redo.
+            checkpointer.commit(rollout_id, {"step": rollout_id + 1, **metrics})
+            crash_point("committed", rollout_id)
         sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
         metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
         metrics.update(sync)

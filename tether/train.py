@@ -2,40 +2,81 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
-from tether.checkpoint import Checkpointer, find_latest
+from tether.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
 from tether.loop import LoopPlan, run_loop
+from tether.resume import check_resume_config, trim_jsonl
+from tether.trainer.actor import TRAINED_SAMPLES
 from tether.rollout.handle import RolloutHandle, create_engines
 from tether.tracking import Tracker
 from tether.trainer.group import TrainerGroup
 
 
-def resolve_resume(cfg: TetherConfig) -> tuple[str | None, int]:
-    """(checkpoint path, first rollout id). A --load directory without a checkpoint starts fresh."""
+def resolve_resume(cfg: TetherConfig) -> tuple[str | None, int, dict]:
+    """(checkpoint path, first rollout id, its meta). A --load directory without one starts fresh.
+
+    meta["redo_eval"] is set when the crash came after the checkpoint but before that rollout's
+    eval was logged.
+
+    The config is checked against the checkpoint's before anything starts, and the run's logs are
+    trimmed to the checkpoint: rollouts after it are redone, so their old rows would be duplicates.
+    """
     if not cfg.checkpoint.load:
-        return None, 0
+        _start_fresh(Path(cfg.output_dir))
+        return None, 0, {}
     found = find_latest(cfg.checkpoint.load)
     if found is None:
         print(f"[tether] no complete checkpoint in {cfg.checkpoint.load}: starting from rollout 0", file=sys.stderr)
-        return None, 0
+        _start_fresh(Path(cfg.output_dir))
+        return None, 0, {}
     path, rollout_id = found
+    meta = read_meta(path)
+    check_resume_config(meta["config"], cfg.model_dump(mode="json"), str(path))
+    out = Path(cfg.output_dir)
+    metrics_path = out / "metrics.jsonl"
+    trim_jsonl(metrics_path, lambda row: row.get("step", 0) <= rollout_id + 1)
+    trim_jsonl(out / TRAINED_SAMPLES, lambda row: row["rollout_id"] <= rollout_id)
+    meta["redo_eval"] = restore_metrics_row(metrics_path, meta.get("metrics_row"))
     print(f"[tether] resuming from {path} (rollout {rollout_id} done, continuing at {rollout_id + 1})", file=sys.stderr)
-    return str(path), rollout_id + 1
+    return str(path), rollout_id + 1, meta
 
 
-def make_tracker(cfg: TetherConfig, step_label: str = "rollout") -> Tracker:
+def restore_metrics_row(path: Path, row: dict | None) -> bool:
+    """Put back the checkpointed rollout's row when the crash came before it was logged."""
+    if not row:
+        return False
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if row["step"] in {json.loads(line).get("step") for line in lines if line.strip()}:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **row}) + "\n")
+    return True
+
+
+def _start_fresh(out: Path) -> None:
+    """A run from rollout 0 owns its output directory's logs: an earlier run's rows are replaced."""
+    for name in ("metrics.jsonl", TRAINED_SAMPLES):
+        if trim_jsonl(out / name, lambda row: False):
+            print(f"[tether] {out / name} held rows of an earlier run: starting it afresh", file=sys.stderr)
+
+
+def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | None = None) -> Tracker:
     t = cfg.tracking
     return Tracker(cfg.output_dir, run_name=t.run_name or Path(cfg.output_dir).name, config=cfg.model_dump(mode="json"),
                    jsonl=t.jsonl, tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
-                   wandb_mode=t.wandb_mode, console=t.console, step_label=step_label)
+                   wandb_mode=t.wandb_mode, console=t.console, step_label=step_label, resume_run_id=run_id)
 
 
 def train(cfg: TetherConfig) -> dict:
     """Run RL training as configured; returns the run summary."""
+    load_path, start, meta = resolve_resume(cfg)
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
     engines = create_engines(cfg, placement)
@@ -44,21 +85,25 @@ def train(cfg: TetherConfig) -> dict:
         per_epoch = rollout.num_rollout_per_epoch()
         num_rollout = cfg.rollout.num_rollout or per_epoch * cfg.rollout.num_epoch
         samples = cfg.rollout.prompts_per_rollout * cfg.rollout.n_samples_per_prompt
-        load_path, start = resolve_resume(cfg)
         trainer.init(num_rollout * (samples // cfg.global_batch_size), cfg.algorithm.needs_ref_model, load_path)
         if load_path:
             rollout.load_state(load_path)
         trainer.connect_engines(engines)
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,
-                        offload=cfg.cluster.offload, has_eval=bool(cfg.eval.datasets))
-        tracker = make_tracker(cfg)
+                        offload=cfg.cluster.offload, has_eval=bool(cfg.eval.datasets),
+                        redo_eval=meta.get("redo_eval", False))
+        # Same run id on resume: TensorBoard and W&B continue the run instead of starting another.
+        tracker = make_tracker(cfg, run_id=meta.get("tracker_run_id"))
+        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.model_dump(mode="json"), cfg.checkpoint.keep_last,
+                                    extra=lambda: {"tracker_run_id": tracker.run_id,
+                                                   "train_world_size": cfg.cluster.num_train_actors},
+                                    hf_source=cfg.model.path)
         print(f"[tether] {rollout.info['train_rows']} prompts, {per_epoch} rollouts per epoch, "
               f"rollouts {start}..{num_rollout - 1}", file=sys.stderr)
         with tracker:
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
-            run_loop(plan, trainer, rollout, Checkpointer(cfg.checkpoint_dir, cfg.model_dump(mode="json")),
-                     tracker, progress=bar)
+            run_loop(plan, trainer, rollout, checkpointer, tracker, progress=bar)
             if cfg.checkpoint.export_hf:
                 trainer.save_hf(str(Path(cfg.output_dir) / "hf"))
         return tracker.finish()

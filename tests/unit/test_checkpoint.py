@@ -203,3 +203,35 @@ def test_scheduler_applies_the_multiplier():
         scheduler.step()
     assert seen == pytest.approx([0.1 * lr_multiplier(s, cfg, 6) for s in range(6)])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)  # after the last step: min_lr
+
+
+def test_prune_keeps_the_newest_complete(tmp_path):
+    from tether.checkpoint import prune
+
+    for rollout_id in range(5):
+        _save(tmp_path, rollout_id)
+    staging_dir(tmp_path, 5)  # an unfinished save is never counted or removed
+    removed = prune(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["rollout_000002", "rollout_000001", "rollout_000000"]
+    assert sorted(p.name for p in tmp_path.glob("rollout_*")) == ["rollout_000003", "rollout_000004", "rollout_000005.tmp"]
+    assert find_latest(tmp_path) == (tmp_path / "rollout_000004", 4)
+
+
+def test_checkpointer_keeps_metrics_row_and_prunes(tmp_path):
+    ckpt = Checkpointer(tmp_path, CONFIG, keep_last=1, extra=lambda: {"tracker_run_id": "abc"})
+    for rollout_id in range(3):
+        _fill(Path(ckpt.stage(rollout_id)))
+        ckpt.commit(rollout_id, {"step": rollout_id + 1, "rollout/reward_mean": 0.5})
+    assert [p.name for p in tmp_path.glob("rollout_*")] == ["rollout_000002"]
+    meta = json.loads((tmp_path / "rollout_000002" / "meta.json").read_text())
+    assert meta["tracker_run_id"] == "abc" and meta["metrics_row"]["step"] == 3
+    assert "data_source.json" in meta["manifest"]
+
+
+def test_manifest_catches_a_truncated_file(tmp_path):
+    from tether.checkpoint import problem
+
+    path = _save(tmp_path, 0)
+    assert problem(path) is None
+    (path / "rank0.pt").write_bytes(b"ra")
+    assert "rank0.pt has 2 bytes, 5 were written" in problem(path)

@@ -61,7 +61,7 @@ class FakeCheckpointer:
         self.calls.append(("ckpt.stage", rollout_id))
         return f"stage{rollout_id}"
 
-    def commit(self, rollout_id):
+    def commit(self, rollout_id, metrics=None):
         self.calls.append(("ckpt.commit", rollout_id))
         return f"final{rollout_id}"
 

@@ -20,9 +20,12 @@ class EngineError(RuntimeError):
 
 
 class EmbeddedEngine(Engine):
-    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0, device: str = "cpu"):
+    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
+                 device: str = "cpu", deterministic: bool = False):
         if threads:
             torch.set_num_threads(threads)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
         self.model = load_model(model_path, dtype, device).eval()
         tokenizer = load_tokenizer(model_path)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -9,6 +9,7 @@ import ray
 from tether.cluster import Placement, actor_resources, torch_threads, wait
 from tether.config import TetherConfig
 from tether.engine.embedded import EmbeddedEngine
+from tether.faults import crash_point
 from tether.rollout.manager import RolloutManager
 
 
@@ -20,7 +21,8 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     engines = [
         cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
-            cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device)
+            cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device,
+            cfg.deterministic)
         for bundle in placement.engine_bundles
     ]
     wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
@@ -44,6 +46,7 @@ class RolloutHandle:
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, float]]:
         """(reference to the TrainBatch, metrics). Only the metrics are fetched to the driver."""
         batch_ref, metrics_ref = self.actor.generate.options(num_returns=2).remote(rollout_id)
+        crash_point("generate", rollout_id)
         return batch_ref, self._get(metrics_ref, f"generate(rollout {rollout_id})")
 
     def eval(self, rollout_id: int) -> dict[str, float]:

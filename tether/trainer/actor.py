@@ -6,6 +6,7 @@ them on all ranks at once through TrainerGroup. Collectives run over gloo on CPU
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -21,12 +22,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
-from tether.checkpoint import load_trainer, save_trainer
+from tether.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_tokenizer, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 from tether.weight_sync import ObjectStoreSender, WeightSender
+
+
+TRAINED_SAMPLES = "trained_samples.jsonl"
 
 
 def free_port() -> int:
@@ -48,6 +52,10 @@ class TrainActor:
         self.device = "cuda" if self.cfg.cluster.gpus_per_bundle > 0 else "cpu"
         if threads:
             torch.set_num_threads(threads)
+        if self.cfg.deterministic:
+            # CUDA's cuBLAS needs a fixed workspace for deterministic matmuls; harmless on CPU.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         self.sender: WeightSender | None = None
         self.ref_model = None
 
@@ -82,7 +90,8 @@ class TrainActor:
             ref.requires_grad_(False)
             self.ref_model = apply_fsdp(ref, self.mesh)
         if load_dir:
-            load_trainer(Path(load_dir), self.model, self.optimizer, self.scheduler, self.rank)
+            saved_world = read_meta(load_dir).get("train_world_size", self.world)
+            load_trainer(Path(load_dir), self.model, self.optimizer, self.scheduler, self.rank, saved_world)
 
     def step_settings(self, policy_loss: str | None, global_batch_size: int) -> StepSettings:
         a = self.cfg.algorithm
@@ -106,7 +115,16 @@ class TrainActor:
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
                                  self.rank, self.world, self.ref_model)
         metrics["timing/train_s"] = time.perf_counter() - start
+        if self.rank == 0 and batch.rewards is not None:
+            self._log_trained(step_id, batch)
         return metrics
+
+    def _log_trained(self, rollout_id: int, batch: TrainBatch) -> None:
+        """Which samples each rollout trained on: the audit trail that resume tests compare."""
+        path = Path(self.cfg.output_dir) / TRAINED_SAMPLES
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"rollout_id": rollout_id, "sample_ids": [list(s) for s in batch.sample_ids]}) + "\n")
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> list[list[float]]:

@@ -6,7 +6,8 @@ from typing import Any
 
 import ray
 
-from tether.cluster import ActorGroup, Placement, actor_resources, torch_threads
+from tether.cluster import ActorGroup, Placement, actor_resources, torch_threads, wait
+from tether.faults import crash_point
 from tether.config import TetherConfig
 from tether.trainer.actor import TrainActor
 
@@ -36,8 +37,9 @@ class TrainerGroup:
     def train(self, step_id: int, batch_ref: Any, policy_loss: str | None = None,
               global_batch_size: int | None = None) -> dict[str, float]:
         # batch_ref is resolved by Ray inside each actor: the batch never passes through the driver.
-        return self.group.call("train", step_id, batch_ref, policy_loss, global_batch_size,
-                               what=f"train step {step_id}")[0]
+        refs = self.group.submit("train", step_id, batch_ref, policy_loss, global_batch_size)
+        crash_point("train", step_id)
+        return wait(refs, self.group.timeout_s, f"trainer.train(step {step_id}) on {len(self.group)} rank(s)")[0]
 
     def score(self, batch: Any) -> list[list[float]]:
         return self.group.call("score", batch, what="score")[0]
@@ -46,7 +48,9 @@ class TrainerGroup:
         self.group.call("connect_engines", engines, what="connect engines")
 
     def push_weights(self, version: int) -> dict[str, float]:
-        return self.group.call("push_weights", version, what=f"weight push version {version}")[0]
+        refs = self.group.submit("push_weights", version)
+        crash_point("push", version - 1)  # the push that follows rollout version - 1
+        return wait(refs, self.group.timeout_s, f"trainer.push_weights(version {version})")[0]
 
     def save(self, staging_dir: str) -> None:
         self.group.call("save", staging_dir, what=f"checkpoint save to {staging_dir}")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tether.algorithms.advantages import broadcast_to_tokens, get_advantage_estimator
+from tether.algorithms.advantages import get_advantage_estimator
 from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.batch import MicroBatch, TrainBatch, collate, split_micro_batches

@@ -1,0 +1,170 @@
+"""A run killed with SIGKILL at any point and resumed with --load ends exactly like an uninterrupted one.
+
+Each run is a real `tether train` process in its own process group; `TETHER_CRASH_AT` kills that
+group at a chosen point. In deterministic mode the resumed chain must train on the same samples in
+the same order and reach bitwise identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import tiny_config
+from tether.checkpoint import find_latest
+from tether.export import export_checkpoint
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+# 12 prompts, 4 per rollout: epochs end after rollouts 2 and 5. save_interval 2 adds rollouts 1 and 3.
+NUM_ROLLOUT = 6
+
+
+def write_config(tmp_path: Path, model_dir: Path, data: dict, name: str, **cluster) -> Path:
+    train = tmp_path / "train12.jsonl"
+    if not train.exists():
+        rows = data["train"].read_text().splitlines()[:12]
+        train.write_text("\n".join(rows) + "\n")
+    raw = tiny_config(model_dir, {**data, "train": train}, tmp_path / name,
+                      rollout={"num_rollout": NUM_ROLLOUT}, checkpoint={"save_interval": 2},
+                      cluster={"torch_threads": 1, **cluster}, eval={"interval": None, "datasets": []})
+    raw["deterministic"] = True
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def tether_train(config: Path, crash_at: str | None = None, load: Path | None = None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if crash_at:
+        env["TETHER_CRASH_AT"] = crash_at
+    cmd = [sys.executable, "-m", "tether.cli", "train", "--config", str(config)]
+    if load:
+        cmd += ["--load", str(load)]
+    # Its own session: the crash kills this run's process group and nothing else.
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, start_new_session=True, timeout=600,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if crash_at is None and proc.returncode != 0:
+        raise AssertionError(f"tether train failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    return proc.returncode
+
+
+def trained(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "trained_samples.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "hf" / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_model_dir, addition_data):
+    tmp = tmp_path_factory.mktemp("straight")
+    config = write_config(tmp, tiny_model_dir, addition_data, "straight")
+    tether_train(config)
+    return tmp / "straight", tmp, config
+
+
+def test_deterministic_runs_are_bitwise_identical(straight, tiny_model_dir, addition_data):
+    out, tmp, _ = straight
+    again = write_config(tmp, tiny_model_dir, addition_data, "again")
+    tether_train(again)
+    assert trained(tmp / "again") == trained(out)
+    assert_same_weights(weights(tmp / "again"), weights(out))
+
+
+def test_killed_anywhere_resumes_exactly(straight, tiny_model_dir, addition_data):
+    out, tmp, _ = straight
+    config = write_config(tmp, tiny_model_dir, addition_data, "chain")
+    chain, ckpts = tmp / "chain", tmp / "chain" / "checkpoints"
+    # Each crash is followed by a resume that itself crashes at the next point; the last one finishes.
+    crashes = [
+        "save:1",       # during the first save: nothing complete yet, so the resume starts over
+        "committed:2",  # right after the checkpoint at the epoch boundary
+        "generate:3",   # generating the first rollout of epoch 1
+        "train:3",      # training on it
+        "push:3",       # pushing weights after it (its checkpoint is complete by then)
+        "committed:5",  # after the last save, before the export
+    ]
+    for point in crashes:
+        code = tether_train(config, crash_at=point, load=ckpts)
+        assert code == -9, f"the run was meant to be killed at {point}, exit code {code}"
+    tether_train(config, load=ckpts)
+    assert find_latest(ckpts)[1] == NUM_ROLLOUT - 1
+    assert trained(chain) == trained(out)  # nothing skipped, nothing repeated
+    assert_same_weights(weights(chain), weights(out))
+    # metrics continue as one run: one row per rollout
+    steps = [json.loads(line)["step"] for line in (chain / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(NUM_ROLLOUT + 1))
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+    out, _, _ = straight
+    ckpts = out / "checkpoints"
+    newest, rollout_id = find_latest(ckpts)
+    shard = max((newest / "train").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    broken = tmp_path / "ckpts"
+    shutil.copytree(ckpts, broken)
+    victim = broken / newest.name / "train" / shard.name
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = find_latest(broken)
+    assert found is not None and found[1] < rollout_id
+    assert any(newest.name in str(w.message) and shard.name in str(w.message) for w in caught)
+    # export picks the previous complete checkpoint too, and it loads as an HF model
+    exported = export_checkpoint(broken, tmp_path / "hf")
+    assert AutoModelForCausalLM.from_pretrained(exported) is not None
+
+
+def test_export_equals_final_weights(straight, tmp_path):
+    out, _, _ = straight
+    exported = export_checkpoint(out / "checkpoints", tmp_path / "hf")
+    assert_same_weights(load_file(str(exported / "model.safetensors")), weights(out))
+
+
+def test_two_actor_run_resumes_with_one(tmp_path, tiny_model_dir, addition_data):
+    two = write_config(tmp_path, tiny_model_dir, addition_data, "run", num_train_actors=2)
+    raw = yaml.safe_load(two.read_text())
+    raw["rollout"]["num_rollout"] = 2
+    two.write_text(yaml.safe_dump(raw))
+    tether_train(two)
+    raw["rollout"]["num_rollout"] = 4
+    raw["cluster"]["num_train_actors"] = 1
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump(raw))
+    tether_train(one, load=tmp_path / "run" / "checkpoints")
+    assert [r["rollout_id"] for r in trained(tmp_path / "run")] == [0, 1, 2, 3]
+    assert find_latest(tmp_path / "run" / "checkpoints")[1] == 3
+
+
+def test_resume_refuses_a_breaking_config_change(straight, tmp_path):
+    out, _, config = straight
+    raw = yaml.safe_load(config.read_text())
+    raw["rollout"]["n_samples_per_prompt"] = 2
+    raw["train"]["global_batch_size"] = 4
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "tether.cli", "train", "--config", str(changed),
+                           "--load", str(out / "checkpoints")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "rollout.n_samples_per_prompt: 4 in the checkpoint, 2 now" in proc.stderr
+    assert "train.global_batch_size" in proc.stderr
