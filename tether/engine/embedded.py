@@ -61,6 +61,11 @@ class EmbeddedEngine(Engine):
         self.served += len(requests)
         return outputs  # type: ignore[return-value]
 
+    @property
+    def pending_weights(self) -> int:
+        """Parameters reallocated by resume_memory but not yet loaded again."""
+        return len(self._pending)
+
     # ------------------------------------------------------------ weights
     def load_weight_bucket(self, tensors: dict[str, torch.Tensor], version: int) -> int:
         # Tied weights (lm_head = embed_tokens) appear under both names in a state dict.

@@ -1,0 +1,210 @@
+"""The engine's HTTP API driven by a real client over loopback: SGLang-shaped and OpenAI-shaped."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+from tether.engine.core import EngineCore
+from tether.engine.embedded import EmbeddedEngine
+from tether.engine.server import EngineServer
+from tether.router import NoHealthyWorker, Router
+from tether.trainer.model import load_tokenizer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = EmbeddedEngine(str(tiny_model_dir))
+    # A small KV budget so that the budget test can overfill it.
+    core = EngineCore(engine, load_tokenizer(str(tiny_model_dir)), max_batch=64, max_batch_tokens=400)
+    srv = EngineServer(core).start()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def gen(client, ids, **sampling):
+    reply = client.post("/generate", json={"input_ids": ids, "sampling_params": sampling, "return_logprob": True})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_generate_shape_and_logprobs(client):
+    out = gen(client, [5, 6, 7], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 6 and meta["completion_tokens"] == 6 and meta["prompt_tokens"] == 3
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+    text = client.post("/generate", json={"text": "12+3=", "sampling_params": {"max_new_tokens": 3}}).json()
+    assert isinstance(text["text"], str) and "output_token_logprobs" not in text["meta_info"]
+
+
+def test_batch_request_and_seeds(client):
+    body = {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 5, "sampling_seed": 3}}
+    first = client.post("/generate", json=body).json()
+    second = client.post("/generate", json=body).json()
+    assert isinstance(first, list) and len(first) == 2
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second]  # same seed, same tokens
+
+
+def test_concurrent_requests_are_batched(client, server):
+    before = server.core.stats["batches"]
+    results, errors = [], []
+
+    def call(i):
+        try:
+            results.append(gen(client, [5 + i % 7, 6], max_new_tokens=8, temperature=1.0))
+        except Exception as err:  # collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 16
+    assert server.core.stats["batches"] - before < 16  # requests shared batches
+    assert server.core.stats["max_batch_seen"] > 1
+
+
+def test_overfull_kv_budget_queues_instead_of_failing(client, server):
+    # 8 requests of 3 + 60 = 63 KV tokens against a budget of 400: at most 6 fit at once.
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        gen(client, [5, 6, 7], max_new_tokens=60, ignore_eos=True))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(len(r["output_ids"]) == 60 for r in results)
+    too_big = client.post("/generate", json={"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 500}})
+    assert too_big.status_code == 400 and "budget" in too_big.json()["detail"]
+
+
+def test_stop_strings_and_stop_tokens(client):
+    free = gen(client, [5, 6, 7], max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    text = free["text"]
+    assert len(text) >= 4
+    stop = text[2:4]
+    out = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.find(stop)]
+    token = free["output_ids"][3]
+    out = gen(client, [5, 6, 7], max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[token])
+    assert out["output_ids"][-1] == token and out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_abort_and_pause_continue(client, server):
+    assert client.post("/pause_generation").json()["success"]
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(out=gen(client, [5, 6], max_new_tokens=200, ignore_eos=True)))
+    t.start()
+    time.sleep(0.5)
+    assert "out" not in holder  # paused: nothing finishes
+    load = client.get("/health").json()
+    assert load["paused"] and load["waiting"] + load["running"] >= 1
+    assert client.post("/abort_request", json={"abort_all": True}).json()["aborted"] >= 1
+    client.post("/continue_generation")
+    t.join(timeout=30)
+    assert holder["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(holder["out"]["output_ids"]) < 200
+    bad = client.post("/abort_request", json={})
+    assert bad.status_code == 400
+
+
+def test_release_resume_and_weight_update(client, server, tiny_model_dir):
+    before = gen(client, [5, 6, 7], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert client.post("/release_memory_occupation", json={"tags": ["weights", "kv_cache"]}).json()["success"]
+    assert all(p.numel() == 0 for p in server.core.engine.model.parameters())  # the memory is really gone
+    refused = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503
+    client.post("/resume_memory_occupation", json={"tags": ["weights", "kv_cache"]})
+    assert client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}).status_code == 503
+
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    payload = base64.b64encode(save_safetensors(weights)).decode()
+    reply = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": payload, "weight_version": 7})
+    assert reply.json() == {"success": True, "weight_version": 7}
+    again = gen(client, [5, 6, 7], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == 7
+
+    changed = {k: (v * 1.5 if "embed" in k else v) for k, v in weights.items()}
+    payload = base64.b64encode(save_safetensors(changed)).decode()
+    client.post("/update_weights_from_tensor", json={"serialized_named_tensors": payload})
+    after = gen(client, [5, 6, 7], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    client.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(
+        save_safetensors(weights)).decode()})
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"sampling_params": {"max_new_tokens": 2}}, 422, "exactly one of"),
+    ({"input_ids": [5], "sampling_params": {"temprature": 0.5}}, 422, "temprature"),
+    ({"input_ids": [5], "sampling_params": {"top_p": 1.5}}, 422, "top_p"),
+    ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, 400, "empty"),
+    ({"input_ids": [[5], [6]], "sampling_params": [{"max_new_tokens": 2}]}, 400, "2 prompts but 1"),
+])
+def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
+    reply = client.post("/generate", json=body)
+    assert reply.status_code == status, reply.text
+    assert words in reply.text
+    garbage = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": "bm90IHRlbnNvcnM="})
+    assert garbage.status_code == 400 and "safetensors" in garbage.json()["detail"]
+    assert client.post("/release_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
+
+
+def test_openai_endpoints(client):
+    comp = client.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 4, "logprobs": 1}).json()
+    choice = comp["choices"][0]
+    assert comp["object"] == "text_completion" and len(choice["logprobs"]["token_logprobs"]) == comp["usage"]["completion_tokens"]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 4, "logprobs": True}).json()
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert len(chat["choices"][0]["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
+    assert client.get("/v1/models").json()["data"][0]["id"]
+    assert client.get("/health_generate").status_code == 200
+
+
+def test_router_spreads_and_health_checks(server, tiny_model_dir):
+    engine = EmbeddedEngine(str(tiny_model_dir))
+    second = EngineServer(EngineCore(engine, load_tokenizer(str(tiny_model_dir)))).start()
+    router = Router([server.url, second.url])
+    try:
+        payload = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
+        done = []
+        threads = [threading.Thread(target=lambda: done.append(router.generate(payload))) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(done) == 12
+        assert all(w.served > 0 for w in router.workers)  # both engines got traffic
+        assert all(w.outstanding_requests == 0 for w in router.workers)
+        second.stop()
+        assert router.check_health(timeout_s=2) == {server.url: True, second.url: False}
+        assert router.generate(payload)["output_ids"]  # traffic goes to the healthy one
+        router.remove_worker(server.url)
+        with pytest.raises(NoHealthyWorker):
+            router.generate(payload)
+    finally:
+        router.close()

@@ -1,0 +1,134 @@
+"""Request and response shapes of the engine's HTTP API, compatible with SGLang's where rollout code
+uses them (`/generate` with `input_ids` or `text`, `sampling_params`, `return_logprob`; responses with
+`text`, `output_ids` and `meta_info`), so the same client code drives every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tether.engine.generate import GenerateOutput
+from tether.engine.sampling import SamplingParams
+
+
+class Strict(BaseModel):
+    # Unknown fields are errors: a misspelt sampling parameter must not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParamsIn(Strict):
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    def to_params(self) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos, stop=stop, seed=self.sampling_seed)
+
+
+class GenerateIn(Strict):
+    """One request, or a batch when `text` / `input_ids` is a list of prompts."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParamsIn | list[SamplingParamsIn] = SamplingParamsIn()
+    return_logprob: bool = False
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateIn:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        if self.stream:
+            raise ValueError("stream=true is not supported by this engine yet")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+
+    def prompts(self, tokenizer: Any) -> list[list[int]]:
+        if self.input_ids is not None:
+            return [list(x) for x in self.input_ids] if self.is_batch else [list(self.input_ids)]
+        texts = self.text if isinstance(self.text, list) else [self.text]
+        return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def per_prompt(self, n: int) -> tuple[list[SamplingParamsIn], list[str | None]]:
+        params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params] * n
+        rids = self.rid if isinstance(self.rid, list) else [self.rid] * n if n == 1 else [None] * n
+        if len(params) != n or len(rids) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling_params and {len(rids)} rids")
+        return params, rids
+
+
+def finish_reason(out: GenerateOutput) -> dict:
+    if out.finish_reason == "length":
+        return {"type": "length", "length": len(out.output_ids)}
+    if out.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return {"type": "stop", "matched": out.matched_stop}
+
+
+def response(out: GenerateOutput, rid: str, prompt_len: int, text: str, return_logprob: bool, version: int) -> dict:
+    meta = {"id": rid, "finish_reason": finish_reason(out), "prompt_tokens": prompt_len,
+            "completion_tokens": len(out.output_ids), "weight_version": version}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.output_logprobs, out.output_ids)]
+    return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+class TagsIn(Strict):
+    tags: list[str] | None = None
+
+
+class AbortIn(Strict):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class UpdateWeightsIn(Strict):
+    serialized_named_tensors: str
+    """base64 of a safetensors file holding the named tensors (no pickle on the wire)."""
+    weight_version: int | None = None
+    flush_cache: bool = True
+
+
+class CompletionIn(BaseModel):
+    """OpenAI /v1/completions (the fields agent frameworks send; others are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+class ChatIn(BaseModel):
+    """OpenAI /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False

@@ -1,0 +1,236 @@
+"""The embedded engine's HTTP server: SGLang-compatible endpoints plus OpenAI-compatible completions.
+
+    /generate  /health  /health_generate  /flush_cache  /abort_request
+    /pause_generation  /continue_generation  /release_memory_occupation  /resume_memory_occupation
+    /update_weights_from_tensor  /get_model_info  /get_load
+    /v1/models  /v1/completions  /v1/chat/completions
+
+Loopback by default. Handlers are plain (sync) FastAPI functions: each runs in the server's thread
+pool and waits on its request's future, so concurrent clients batch together in the engine core.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from safetensors.torch import load as load_safetensors
+
+from tether.engine.base import MEMORY_TAGS
+from tether.engine.core import EngineCore, RequestTooLarge
+from tether.engine.embedded import EngineError
+from tether.engine.protocol import (
+    AbortIn, ChatIn, CompletionIn, GenerateIn, SamplingParamsIn, TagsIn, UpdateWeightsIn, response,
+)
+
+
+def _bad_request(err: Exception) -> HTTPException:
+    return HTTPException(status_code=400, detail=str(err))
+
+
+def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0) -> FastAPI:
+    app = FastAPI(title="tether engine")
+    tokenizer = core.tokenizer
+
+    def run(prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:
+        try:
+            reqs = [core.submit(p, sp.to_params(), rid) for p, sp, rid in zip(prompts, params, rids)]
+        except (ValueError, RequestTooLarge) as err:
+            raise _bad_request(err) from None
+        try:
+            return [(req, req.future.result(timeout=request_timeout_s)) for req in reqs]
+        except EngineError as err:
+            raise HTTPException(status_code=503, detail=str(err)) from None
+
+    def decode(ids: list[int], skip: bool = True) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    @app.post("/generate")
+    def generate(body: GenerateIn) -> Any:
+        prompts = body.prompts(tokenizer)
+        try:
+            params, rids = body.per_prompt(len(prompts))
+        except ValueError as err:
+            raise _bad_request(err) from None
+        results = run(prompts, params, rids)
+        version = core.engine.weight_version
+        out = [response(o, req.rid, len(req.input_ids), _text(o, decode, sp), body.return_logprob, version)
+               for (req, o), sp in zip(results, params)]
+        return out if body.is_batch else out[0]
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", **core.load()}
+
+    @app.get("/health_generate")
+    def health_generate() -> dict:
+        ids = tokenizer.encode("0", add_special_tokens=False) or [0]
+        run([ids], [SamplingParamsIn(max_new_tokens=1, temperature=0.0)], [None])
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    def model_info() -> dict:
+        return {"model_path": model_name, "weight_version": core.engine.weight_version, "is_generation": True}
+
+    @app.get("/get_load")
+    def get_load() -> dict:
+        return {**core.load(), **core.stats}
+
+    @app.post("/flush_cache")
+    def flush_cache() -> dict:
+        # KV caches live only as long as their batch here, so there is nothing to drop between batches.
+        return {"success": True}
+
+    @app.post("/abort_request")
+    def abort_request(body: AbortIn) -> dict:
+        if not body.abort_all and body.rid is None:
+            raise _bad_request(ValueError("give `rid` or `abort_all: true`"))
+        return {"success": True, "aborted": core.abort(None if body.abort_all else body.rid)}
+
+    @app.post("/pause_generation")
+    def pause() -> dict:
+        core.pause()
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    def resume() -> dict:
+        core.resume()
+        return {"success": True}
+
+    @app.post("/release_memory_occupation")
+    def release(body: TagsIn) -> dict:
+        tags = _tags(body)
+        core.exclusive(lambda: core.engine.release_memory(tags))
+        return {"success": True, "released": sorted(core.engine.released)}
+
+    @app.post("/resume_memory_occupation")
+    def resume_memory(body: TagsIn) -> dict:
+        tags = _tags(body)
+        core.exclusive(lambda: core.engine.resume_memory(tags))
+        return {"success": True, "released": sorted(core.engine.released)}
+
+    @app.post("/update_weights_from_tensor")
+    def update_weights(body: UpdateWeightsIn) -> dict:
+        try:
+            tensors = load_safetensors(base64.b64decode(body.serialized_named_tensors))
+        except Exception as err:  # a corrupt payload is the client's error, said in its words
+            raise _bad_request(ValueError(f"serialized_named_tensors is not base64 safetensors: {err}")) from None
+        version = body.weight_version if body.weight_version is not None else core.engine.weight_version + 1
+
+        def apply() -> int:
+            core.engine.load_weight_bucket(tensors, version)
+            return core.engine.commit_weights(version)
+
+        try:
+            return {"success": True, "weight_version": core.exclusive(apply)}
+        except EngineError as err:
+            raise _bad_request(err) from None
+
+    _add_openai_routes(app, core, run, decode, model_name)
+    return app
+
+
+def _text(out, decode, params: SamplingParamsIn) -> str:
+    text = decode(out.output_ids, params.skip_special_tokens)
+    if out.finish_reason == "stop" and isinstance(out.matched_stop, str):
+        text = text[: text.find(out.matched_stop)] if out.matched_stop in text else text
+    return text
+
+
+def _tags(body: TagsIn) -> list[str]:
+    tags = list(body.tags) if body.tags else list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise _bad_request(ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}"))
+    return tags
+
+
+def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: str) -> None:
+    tokenizer = core.tokenizer
+
+    def sampling(max_tokens: int, temperature: float, top_p: float, stop, seed) -> SamplingParamsIn:
+        return SamplingParamsIn(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
+                                sampling_seed=seed)
+
+    def usage(req, out) -> dict:
+        return {"prompt_tokens": len(req.input_ids), "completion_tokens": len(out.output_ids),
+                "total_tokens": len(req.input_ids) + len(out.output_ids)}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "tether"}]}
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionIn) -> dict:
+        ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special_tokens=False)
+        sp = sampling(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
+        (req, out), = run([ids], [sp], [None])
+        choice = {"index": 0, "text": _text(out, decode, sp), "finish_reason": _openai_finish(out)}
+        if body.logprobs is not None:
+            choice["logprobs"] = {"tokens": [decode([t], False) for t in out.output_ids],
+                                  "token_logprobs": out.output_logprobs}
+        return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": usage(req, out)}
+
+    @app.post("/v1/chat/completions")
+    def chat(body: ChatIn) -> dict:
+        if not getattr(tokenizer, "chat_template", None):
+            raise _bad_request(ValueError("the model's tokenizer has no chat template"))
+        text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        sp = sampling(body.max_completion_tokens or body.max_tokens or 128, body.temperature, body.top_p,
+                      body.stop, body.seed)
+        (req, out), = run([ids], [sp], [None])
+        choice = {"index": 0, "message": {"role": "assistant", "content": _text(out, decode, sp)},
+                  "finish_reason": _openai_finish(out)}
+        if body.logprobs:
+            choice["logprobs"] = {"content": [{"token": decode([t], False), "logprob": lp}
+                                              for t, lp in zip(out.output_ids, out.output_logprobs)]}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": usage(req, out)}
+
+
+def _openai_finish(out) -> str:
+    return {"length": "length", "abort": "abort"}.get(out.finish_reason, "stop")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineServer:
+    """Runs the app with uvicorn in a background thread; ``url`` is where it listens."""
+
+    def __init__(self, core: EngineCore, host: str = "127.0.0.1", port: int = 0, model_name: str = "tether-embedded"):
+        self.core = core
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(build_app(core, model_name), host=host, port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="engine-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> EngineServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"engine HTTP server did not start on {self.url} within {timeout_s:.0f}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.core.shutdown()

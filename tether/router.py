@@ -1,0 +1,118 @@
+"""The router: spreads generate requests over engine servers by least outstanding work.
+
+It keeps, per worker, the number of requests and KV tokens it has sent and not yet had back, and
+sends each request to the healthy worker with the least outstanding tokens. Workers can be added
+and removed while running; a health check marks a worker down (it gets no traffic) until it answers
+again; `abort_all` tells every worker to drop what is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import httpx
+
+
+class NoHealthyWorker(RuntimeError):
+    pass
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    served: int = 0
+
+
+class Router:
+    def __init__(self, urls: list[str] | None = None, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self._workers: dict[str, Worker] = {}
+        self._lock = threading.Lock()
+        self._client = httpx.Client(timeout=timeout_s)
+        for url in urls or []:
+            self.add_worker(url)
+
+    # ------------------------------------------------------------ membership and health
+    def add_worker(self, url: str) -> None:
+        with self._lock:
+            self._workers.setdefault(url.rstrip("/"), Worker(url.rstrip("/")))
+
+    def remove_worker(self, url: str) -> None:
+        with self._lock:
+            self._workers.pop(url.rstrip("/"), None)
+
+    @property
+    def workers(self) -> list[Worker]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """GET /health on every worker; an unreachable or failing one is marked down."""
+        status = {}
+        for worker in self.workers:
+            try:
+                ok = self._client.get(f"{worker.url}/health", timeout=timeout_s).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            worker.healthy = ok
+            status[worker.url] = ok
+        return status
+
+    # ------------------------------------------------------------ traffic
+    def _pick(self, tokens: int) -> Worker:
+        with self._lock:
+            healthy = [w for w in self._workers.values() if w.healthy]
+            if not healthy:
+                raise NoHealthyWorker(f"no healthy engine among {list(self._workers)}")
+            worker = min(healthy, key=lambda w: (w.outstanding_tokens, w.outstanding_requests))
+            worker.outstanding_requests += 1
+            worker.outstanding_tokens += tokens
+            return worker
+
+    def _done(self, worker: Worker, tokens: int) -> None:
+        with self._lock:
+            worker.outstanding_requests -= 1
+            worker.outstanding_tokens -= tokens
+            worker.served += 1
+
+    def generate(self, payload: dict) -> dict | list:
+        """POST /generate to the least-loaded worker; raises httpx.HTTPStatusError on a 4xx/5xx."""
+        tokens = _estimate_tokens(payload)
+        worker = self._pick(tokens)
+        try:
+            reply = self._client.post(f"{worker.url}/generate", json=payload, timeout=self.timeout_s)
+        except httpx.TransportError:
+            worker.healthy = False  # unreachable: no more traffic until a health check says otherwise
+            raise
+        finally:
+            self._done(worker, tokens)
+        reply.raise_for_status()
+        return reply.json()
+
+    def broadcast(self, path: str, payload: dict | None = None) -> list[dict]:
+        """POST to every worker (pause, continue, release, resume, flush, abort)."""
+        out = []
+        for worker in self.workers:
+            reply = self._client.post(f"{worker.url}{path}", json=payload or {}, timeout=self.timeout_s)
+            reply.raise_for_status()
+            out.append(reply.json())
+        return out
+
+    def abort_all(self) -> int:
+        return sum(r.get("aborted", 0) for r in self.broadcast("/abort_request", {"abort_all": True}))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _estimate_tokens(payload: dict) -> int:
+    """Prompt + max new tokens of a /generate payload: the KV work the request brings."""
+    ids = payload.get("input_ids")
+    prompts = ids if ids and isinstance(ids[0], list) else [ids or payload.get("text") or ""]
+    params = payload.get("sampling_params") or {}
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return sum(len(p) + sp.get("max_new_tokens", 128) for p, sp in zip(prompts, params))
