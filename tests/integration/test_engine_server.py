@@ -65,7 +65,6 @@ def test_batch_request_and_seeds(client):
 
 
 def test_concurrent_requests_are_batched(client, server):
-    before = server.core.stats["batches"]
     results, errors = [], []
 
     def call(i):
@@ -80,8 +79,7 @@ def test_concurrent_requests_are_batched(client, server):
     for t in threads:
         t.join()
     assert not errors and len(results) == 16
-    assert server.core.stats["batches"] - before < 16  # requests shared batches
-    assert server.core.stats["max_batch_seen"] > 1
+    assert server.core.stats["max_batch_seen"] > 1  # requests shared decode steps
 
 
 def test_overfull_kv_budget_queues_instead_of_failing(client, server):

@@ -1,13 +1,13 @@
 """The serving core of the embedded engine: a request queue, admission control and one worker thread.
 
-Requests from any number of clients (HTTP handlers, the rollout manager) are queued; the worker
-forms a batch from the oldest waiting requests whose KV-cache need fits the budget
-(``max_batch_tokens`` = sum of prompt + max new tokens), runs it, and resolves each request's
-future. A request that waits is never refused for lack of room; only one that could never fit is.
+Requests from any number of clients (HTTP handlers, the rollout manager) are queued. Before every
+decode step the worker admits the oldest waiting requests whose KV-cache need fits next to the
+running ones (``max_batch_tokens`` bounds the sum of prompt + max new tokens), so requests join and
+leave the running batch continuously (see batcher.py). A request that waits is never refused for
+lack of room; only one that could never fit is.
 
-Everything that touches the model (weight updates, memory release/resume, generation) holds one
-lock. The worker releases it between decode steps, so pause, abort and weight updates act within
-one step of a running batch.
+Everything that touches the model (weight updates, memory release/resume, a step) holds one lock,
+taken per step, so pause, abort and weight updates act within one step of a running batch.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import Any, Callable
 
 import torch
 
+from tether.engine.base import KV_CACHE
+from tether.engine.batcher import ContinuousBatcher
 from tether.engine.embedded import EmbeddedEngine, EngineError
-from tether.engine.generate import GenerateOutput, generate_batch
+from tether.engine.generate import GenerateOutput
 from tether.engine.sampling import SamplingParams
 
 
@@ -52,8 +54,11 @@ class EngineCore:
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self._rng = torch.Generator().manual_seed(seed)  # for requests without their own seed
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.batcher = ContinuousBatcher(engine.model, engine.eos_ids, engine.pad_id, self._decode)
         self._waiting: deque[Request] = deque()
-        self._running: dict[str, int] = {}  # rid -> row of the running batch
+        self._running: dict[str, Request] = {}  # admitted, in the running batch
+        self._reserved = 0  # KV tokens promised to running requests (prompt + max_new_tokens each)
         self._aborted: set[str] = set()
         self._cond = threading.Condition()
         self._model_lock = threading.RLock()
@@ -61,7 +66,7 @@ class EngineCore:
         self._unpaused.set()
         self._stopping = False
         self._ids = itertools.count()
-        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "max_batch_seen": 0}
+        self.stats = {"requests": 0, "prefills": 0, "generated_tokens": 0, "max_batch_seen": 0}
         self._worker = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._worker.start()
 
@@ -120,69 +125,89 @@ class EngineCore:
         self._unpaused.set()
         self._worker.join(timeout=30)
 
+    def release_memory(self, tags: list[str]) -> None:
+        """Free weights and/or the KV cache; releasing the KV cache aborts the requests in flight."""
+        def release() -> None:
+            if KV_CACHE in tags:
+                self._resolve(self.batcher.abort_all())
+            self.engine.release_memory(tags)
+        self.exclusive(release)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.exclusive(lambda: self.engine.resume_memory(tags))
+
     # ------------------------------------------------------------ worker side
-    def _next_batch(self) -> list[Request]:
-        """The oldest waiting requests that fit the KV budget together (first come, first served)."""
+    def _admit(self) -> list[Request]:
+        """Waiting requests that fit next to the running ones (oldest first); blocks when idle."""
         with self._cond:
-            while not self._waiting and not self._stopping:
+            while not self._waiting and not self._running and not self._stopping:
                 self._cond.wait(timeout=1.0)
-            batch, tokens = [], 0
-            while self._waiting and len(batch) < self.max_batch:
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < self.max_batch:
                 need = self._waiting[0].kv_tokens
-                if batch and tokens + need > self.max_batch_tokens:
-                    break  # the rest waits for the next batch: queued, not refused
-                batch.append(self._waiting.popleft())
-                tokens += need
-            self._running = {req.rid: row for row, req in enumerate(batch)}
-            return batch
+                if self._reserved + need > self.max_batch_tokens:
+                    break  # it waits for running requests to finish: queued, not refused
+                req = self._waiting.popleft()
+                admitted.append(req)
+                self._reserved += need
+            for req in admitted:
+                self._running[req.rid] = req
+            return admitted
 
-    def _between_steps(self) -> set[int]:
-        """Called by generate_batch before each decode step: pause point, lock hand-off, aborts."""
-        self._model_lock.release()
-        try:
-            self._unpaused.wait()
-        finally:
-            self._model_lock.acquire()
+    def _generator(self, req: Request) -> torch.Generator:
+        seed = req.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return torch.Generator().manual_seed(seed)
+
+    def _resolve(self, finished: list) -> None:
         with self._cond:
-            return {self._running[rid] for rid in self._aborted if rid in self._running}
+            for seq in finished:
+                req: Request = seq.key
+                self._running.pop(req.rid, None)
+                self._aborted.discard(req.rid)
+                self._reserved -= req.kv_tokens
+                self.stats["generated_tokens"] += len(seq.output_ids)
+        for seq in finished:
+            if not seq.key.future.done():
+                seq.key.future.set_result(seq.output(self._decode))
 
-    def _generators(self, batch: list[Request]) -> list[torch.Generator]:
-        out = []
-        for req in batch:
-            seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-            out.append(torch.Generator().manual_seed(seed))
-        return out
+    def _fail(self, requests: list[Request], exc: Exception) -> None:
+        with self._cond:
+            for req in requests:
+                self._running.pop(req.rid, None)
+                self._reserved -= req.kv_tokens
+        for req in requests:
+            if not req.future.done():
+                req.future.set_exception(exc)
 
-    def _run(self, batch: list[Request]) -> None:
-        self._unpaused.wait()
+    def _step(self) -> None:
+        """One scheduling step: admit and prefill newcomers, then decode every running row once."""
+        new = self._admit()
         with self._model_lock:
-            if self.engine.released or self.engine.pending_weights:
-                raise EngineError(f"engine memory is released ({sorted(self.engine.released)}) or weights are "
-                                  "not loaded: resume memory and push weights before generating")
-            outputs = generate_batch(
-                self.engine.model, [r.input_ids for r in batch], [r.params for r in batch], self.engine.eos_ids,
-                self.engine.pad_id, self._generators(batch), should_abort=self._between_steps,
-                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
-        for req, out in zip(batch, outputs):
-            req.future.set_result(out)
-        self.stats["batches"] += 1
-        self.stats["generated_tokens"] += sum(len(o.output_ids) for o in outputs)
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
+            if new and (self.engine.released or self.engine.pending_weights):
+                self._fail(new, EngineError(
+                    f"engine memory is released ({sorted(self.engine.released)}) or weights are not loaded: "
+                    "resume memory and push weights before generating"))
+                new = []
+            seqs = [self.batcher.new_sequence(r, r.input_ids, r.params, self._generator(r)) for r in new]
+            finished = self.batcher.prefill(seqs)
+            if len(self.batcher.batch):
+                with self._cond:
+                    abort_rows = {i for i, s in enumerate(self.batcher.batch.seqs) if s.key.rid in self._aborted}
+                finished += self.batcher.decode_step(abort_rows)
+            self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self.batcher.batch) + len(finished))
+            self.stats["prefills"] += 1 if new else 0
+        self._resolve(finished)
 
     def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if not batch:
-                if self._stopping:
-                    return
-                continue
+        while not self._stopping:
+            self._unpaused.wait()  # paused: running requests hold in place, nothing is decoded
+            if self._stopping:
+                return
             try:
-                self._run(batch)
-            except Exception as exc:  # a failed batch fails its requests, not the server
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(exc)
-            finally:
-                with self._cond:
-                    self._aborted.difference_update(self._running)
-                    self._running = {}
+                self._step()
+            except Exception as exc:  # a failed step fails the requests in it, not the server
+                with self._model_lock:
+                    dropped = [s.key for s in self.batcher.abort_all()]
+                self._fail(dropped, exc)

@@ -80,11 +80,12 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     @app.get("/get_load")
     def get_load() -> dict:
-        return {**core.load(), **core.stats}
+        return {**core.load(), **core.stats, **core.batcher.stats}
 
     @app.post("/flush_cache")
     def flush_cache() -> dict:
-        # KV caches live only as long as their batch here, so there is nothing to drop between batches.
+        # KV rows live only as long as their request (prefixes are shared within a step, not kept
+        # across requests), so there is no cross-request cache to drop.
         return {"success": True}
 
     @app.post("/abort_request")
@@ -106,13 +107,13 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
     @app.post("/release_memory_occupation")
     def release(body: TagsIn) -> dict:
         tags = _tags(body)
-        core.exclusive(lambda: core.engine.release_memory(tags))
+        core.release_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/resume_memory_occupation")
     def resume_memory(body: TagsIn) -> dict:
         tags = _tags(body)
-        core.exclusive(lambda: core.engine.resume_memory(tags))
+        core.resume_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/update_weights_from_tensor")

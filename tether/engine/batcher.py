@@ -1,0 +1,207 @@
+"""Continuous batching on an HF model: sequences join and leave the running batch at every step.
+
+The running batch keeps one KV cache whose rows are left-padded to a common width: row i's tokens
+occupy its rightmost columns and the attention mask hides the rest, so any HF decoder with full
+attention serves it unchanged. At each step:
+
+1. new requests are prefilled; requests with the same prompt (the n samples of a GRPO group) are
+   prefilled once and their cache rows copied (prefix sharing), then each samples its first token;
+2. all running rows decode one token together, each with its own sampling settings and generator;
+3. finished rows leave at once (their cache rows are dropped, and columns no row uses any more
+   are trimmed), freeing room for waiting requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from tether.engine.generate import GenerateOutput, _earliest_stop, cache_kwarg, left_pad
+from tether.engine.sampling import SamplingParams, sample_next
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, what it produced so far, and how to continue it."""
+
+    key: Any  # the caller's handle for this request
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched: int | str | None = None
+
+    @property
+    def next_position(self) -> int:
+        # The pending (last sampled) token sits at this position once fed.
+        return len(self.prompt) + len(self.output_ids) - 1
+
+    def record(self, token: int, logprob: float, decode: Callable[[list[int]], str] | None) -> None:
+        """Append a sampled token and decide whether the sequence is finished."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason, self.matched = "stop", token
+        elif self.params.stop and (hit := _earliest_stop(decode(self.output_ids), self.params.stop)) is not None:
+            self.finish_reason, self.matched = "stop", hit
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+    def output(self, decode: Callable[[list[int]], str] | None) -> GenerateOutput:
+        text = None
+        if decode is not None:
+            text = decode(self.output_ids)
+            if isinstance(self.matched, str):
+                text = text[: text.find(self.matched)]
+        return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text)
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class RunningBatch:
+    """The sequences being decoded, their shared left-padded KV cache and attention mask."""
+
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [B, T] 1 where a cache column holds a real token
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
+        if not seqs:
+            return
+        if self.cache is None:
+            self.seqs, self.cache, self.mask = list(seqs), cache, mask
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, width, 2), _pad_left(theirs.keys, width, 2)], dim=0)
+            mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)], dim=0)
+        self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)], dim=0)
+        self.seqs.extend(seqs)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows; then drop leading columns that no remaining row uses."""
+        if not rows:
+            self.seqs, self.cache, self.mask = [], None, None
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        self.seqs = [self.seqs[r] for r in rows]
+        self.mask = self.mask[index]
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+
+
+class ContinuousBatcher:
+    """Prefill and decode steps over a RunningBatch (called by the engine core's worker thread)."""
+
+    def __init__(self, model: nn.Module, eos_ids: set[int], pad_id: int,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.model = model
+        self.eos = frozenset(eos_ids)
+        self.pad_id = pad_id
+        self.decode = decode
+        self.batch = RunningBatch()
+        self.kv = cache_kwarg(model)
+        self.stats = {"prefill_tokens": 0, "prefill_tokens_shared": 0, "decode_steps": 0}
+
+    def new_sequence(self, key: Any, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> Sequence:
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a decode function")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+        return Sequence(key, list(prompt), params, generator, stop_ids)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        params = [s.params for s in seqs]
+        tokens, logprobs = sample_next(logits, params if len(set(params)) > 1 else params[0], [s.generator for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.record(token, logprob, self.decode)
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill new sequences (each distinct prompt once), sample their first tokens, join the batch.
+
+        Returns the sequences that already finished on their first token.
+        """
+        if not seqs:
+            return []
+        unique: dict[tuple[int, ...], int] = {}
+        owner = [unique.setdefault(tuple(s.prompt), len(unique)) for s in seqs]
+        prompts = [list(p) for p in unique]
+        ids, mask = left_pad(prompts, self.pad_id)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self.kv: cache}).logits[:, -1]
+        self.stats["prefill_tokens"] += int(mask.sum())
+        self.stats["prefill_tokens_shared"] += sum(len(s.prompt) for s in seqs) - int(mask.sum())
+        index = torch.tensor(owner, dtype=torch.long)
+        if len(unique) != len(seqs):
+            cache.batch_select_indices(index)  # copies of a shared prompt's cache rows: prefix sharing
+        logits, mask = logits[index], mask[index]
+        self._sample(logits, seqs)
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        finished = [s for s in seqs if s.finish_reason is not None]
+        if live:
+            if len(live) != len(seqs):
+                cache.batch_select_indices(torch.tensor(live, dtype=torch.long))
+                mask = mask[torch.tensor(live, dtype=torch.long)]
+            self.batch.add([seqs[i] for i in live], cache, mask)
+        return finished
+
+    @torch.no_grad()
+    def decode_step(self, abort: set[int] = frozenset()) -> list[Sequence]:
+        """Feed every running row its pending token, sample the next one; return the rows that finished.
+
+        Rows in ``abort`` (indices into the batch) finish with "abort" before the step runs.
+        """
+        b = self.batch
+        for row in abort:
+            b.seqs[row].finish_reason = "abort"
+        if abort:
+            done = self._drop_finished()
+            if not b.seqs:
+                return done
+        else:
+            done = []
+        tokens = torch.tensor([[s.output_ids[-1]] for s in b.seqs], dtype=torch.long)
+        positions = torch.tensor([[s.next_position] for s in b.seqs], dtype=torch.long)
+        mask = torch.cat([b.mask, torch.ones((len(b), 1), dtype=b.mask.dtype)], dim=1)
+        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self.kv: b.cache}).logits[:, -1]
+        b.mask = mask
+        self.stats["decode_steps"] += 1
+        self._sample(logits, b.seqs)
+        return done + self._drop_finished()
+
+    def _drop_finished(self) -> list[Sequence]:
+        b = self.batch
+        finished = [s for s in b.seqs if s.finish_reason is not None]
+        if finished:
+            b.keep([i for i, s in enumerate(b.seqs) if s.finish_reason is None])
+        return finished
+
+    def abort_all(self) -> list[Sequence]:
+        for seq in self.batch.seqs:
+            seq.finish_reason = "abort"
+        return self._drop_finished()
