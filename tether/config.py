@@ -98,7 +98,13 @@ class RolloutConfig(Section):
     reward: str = "math"
     """Reward function: a built-in name (math, exact_match, f1), module:function or path/file.py:function."""
     max_generate_batch: int = Field(256, ge=1)
-    """Sequences an engine decodes at once."""
+    """Most sequences an engine decodes at once."""
+    max_batch_tokens: int = Field(1 << 16, ge=1)
+    """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
+    requests beyond it wait their turn."""
+    engine_host: str = "127.0.0.1"
+    """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
+    address is then given to the router)."""
 
 
 class AlgorithmConfig(Section):

@@ -24,6 +24,8 @@ HARMLESS = (
     "rollout.num_rollout",  # extend (or shorten) a run
     "rollout.num_epoch",
     "rollout.max_generate_batch",
+    "rollout.max_batch_tokens",
+    "rollout.engine_host",
     "train.micro_batch_size",  # the normaliser is global: same gradient, other memory use
 )
 

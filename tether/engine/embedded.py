@@ -27,7 +27,7 @@ class EmbeddedEngine(Engine):
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.model = load_model(model_path, dtype, device).eval()
-        tokenizer = load_tokenizer(model_path)
+        self.tokenizer = tokenizer = load_tokenizer(model_path)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_batch = max_batch

@@ -1,17 +1,19 @@
-"""Spreading generation over the engine actors and filling Samples with the results.
+"""Generation for rollout and eval over the engines' HTTP API, through the router.
 
-Samples of one prompt stay on one engine (they share a prompt, which a prefix cache can reuse);
-groups are dealt to engines in contiguous, nearly equal slices.
+Samples of one prompt stay together (the engine prefills their shared prompt once); the batch is
+cut into one /generate request per engine, sent concurrently, each sample with its own sampling
+seed. A sample's tokens therefore depend on its seed, not on which engine or batch served it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
-from tether.cluster import wait
-from tether.engine.base import GenerateRequest
+import httpx
+
 from tether.engine.sampling import SamplingParams
+from tether.router import Router
 from tether.rollout.sample import Sample
 
 
@@ -22,36 +24,54 @@ def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:
     return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
+def sampling_payload(params: SamplingParams, seed: int) -> dict:
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "min_p": params.min_p, "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids), "stop": list(params.stop),
+            "ignore_eos": params.ignore_eos, "sampling_seed": seed}
+
+
+class GenerationError(RuntimeError):
+    pass
+
+
 class EngineFleet:
-    def __init__(self, engines: list[Any], timeout_s: float):
-        if not engines:
-            raise ValueError("EngineFleet needs at least one engine")
-        self.engines = engines
+    def __init__(self, urls: list[str], timeout_s: float):
+        if not urls:
+            raise ValueError("EngineFleet needs at least one engine URL")
+        self.router = Router(urls, timeout_s=timeout_s)
         self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="fleet")
 
     def generate(self, samples: list[Sample], params: SamplingParams, group_size: int, seed: int,
-                 tokenizer, what: str) -> dict[str, float]:
+                 what: str) -> dict[str, float]:
         """Fill response_ids / logprobs / text / finish_reason of every sample, in place."""
         start = time.perf_counter()
-        slices = split_groups(len(samples), group_size, len(self.engines))
-        refs, used = [], []
-        for k, (engine, part) in enumerate(zip(self.engines, slices)):
-            if not part:
-                continue
-            requests = [GenerateRequest(samples[i].prompt_ids, params) for i in part]
-            # A distinct, reproducible stream per engine slice.
-            refs.append(engine.generate.remote(requests, seed * 1009 + k))
-            used.append(part)
-        results = wait(refs, self.timeout_s, f"{len(refs)} engine(s) generating {len(samples)} samples for {what}")
-        for part, outputs in zip(used, results):
+        parts = [p for p in split_groups(len(samples), group_size, len(self.router.workers)) if p]
+        payloads = [{"input_ids": [samples[i].prompt_ids for i in part],
+                     "sampling_params": [sampling_payload(params, seed * 1_000_003 + i) for i in part],
+                     "return_logprob": True} for part in parts]
+        futures = [self._pool.submit(self.router.generate, payload) for payload in payloads]
+        for part, future in zip(parts, futures):
+            try:
+                outputs = future.result(timeout=self.timeout_s)
+            except httpx.HTTPStatusError as err:
+                raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
+            except (httpx.TransportError, TimeoutError) as err:
+                raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
             for i, out in zip(part, outputs):
                 s = samples[i]
-                s.response_ids = out.output_ids
-                s.response_logprobs = out.output_logprobs
-                s.finish_reason = out.finish_reason
-                s.response_text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+                s.response_ids = out["output_ids"]
+                s.response_logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+                s.finish_reason = out["meta_info"]["finish_reason"]["type"]
+                s.response_text = out["text"]
         return {"timing/generate_s": time.perf_counter() - start}
 
-    def call_all(self, method: str, *args: Any) -> list:
-        refs = [getattr(e, method).remote(*args) for e in self.engines]
-        return wait(refs, self.timeout_s, f"engines.{method}{args}")
+    def release_memory(self, tags: list[str]) -> None:
+        self.router.broadcast("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.router.broadcast("/resume_memory_occupation", {"tags": tags})
+
+    def health(self) -> dict[str, bool]:
+        return self.router.check_health()

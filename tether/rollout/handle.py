@@ -8,7 +8,7 @@ import ray
 
 from tether.cluster import Placement, actor_resources, torch_threads, wait
 from tether.config import TetherConfig
-from tether.engine.embedded import EmbeddedEngine
+from tether.engine.actor import EngineActor
 from tether.faults import crash_point
 from tether.rollout.manager import RolloutManager
 
@@ -17,12 +17,12 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
     c = cfg.cluster
     share = 2 if placement.colocate else 1
     busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
-    cls = ray.remote(EmbeddedEngine)
+    cls = ray.remote(EngineActor)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     engines = [
         cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
             cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device,
-            cfg.deterministic)
+            cfg.deterministic, cfg.rollout.max_batch_tokens, cfg.rollout.engine_host, cfg.seed)
         for bundle in placement.engine_bundles
     ]
     wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
@@ -34,7 +34,8 @@ class RolloutHandle:
         self.timeout_s = cfg.cluster.call_timeout_s
         self.engines = engines
         # The manager only coordinates; a small CPU share outside the placement group is enough.
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"), engines)
+        urls = wait([e.url.remote() for e in engines], self.timeout_s, "engine server addresses")
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"), urls)
         self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
 
     def _get(self, ref: Any, what: str) -> Any:

@@ -11,7 +11,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 from tether.batch import TrainBatch
 from tether.config import EvalDatasetConfig, TetherConfig, config_from_dict
@@ -71,7 +70,7 @@ class EvalSet:
 
 
 class RolloutManager:
-    def __init__(self, cfg_dict: dict, engines: list[Any]):
+    def __init__(self, cfg_dict: dict, engine_urls: list[str]):
         self.cfg: TetherConfig = config_from_dict(cfg_dict, "rollout manager")
         d, r = self.cfg.data, self.cfg.rollout
         self.tokenizer = load_tokenizer(self.cfg.model.path)
@@ -85,7 +84,7 @@ class RolloutManager:
         self.reward_fn = load_reward_fn(r.reward)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
-        self.fleet = EngineFleet(engines, self.cfg.cluster.call_timeout_s)
+        self.fleet = EngineFleet(engine_urls, self.cfg.cluster.call_timeout_s)
         self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0], e.reward or r.reward)
                           for e in self.cfg.eval.datasets]
         self.samples_dir = Path(self.cfg.output_dir) / "rollouts"
@@ -103,7 +102,7 @@ class RolloutManager:
         epoch = self.data.epoch
         samples = self.data.next_samples()
         metrics = self.fleet.generate(samples, self.params, r.n_samples_per_prompt, self._seed(rollout_id, 0),
-                                      self.tokenizer, f"rollout {rollout_id}")
+                                      f"rollout {rollout_id}")
         start = time.perf_counter()
         compute_rewards(self.reward_fn, samples, r.reward)
         metrics["timing/reward_s"] = time.perf_counter() - start
@@ -119,7 +118,7 @@ class RolloutManager:
             name = eval_set.cfg.name
             samples = eval_set.samples()
             self.fleet.generate(samples, eval_set.params, eval_set.cfg.n_samples_per_prompt,
-                                self._seed(rollout_id, k + 1), self.tokenizer, f"eval {name} at rollout {rollout_id}")
+                                self._seed(rollout_id, k + 1), f"eval {name} at rollout {rollout_id}")
             rewards = compute_rewards(eval_set.reward_fn, samples, eval_set.reward_spec)
             metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
@@ -147,10 +146,10 @@ class RolloutManager:
         return state
 
     def release_memory(self, tags: list[str]) -> None:
-        self.fleet.call_all("release_memory", tags)
+        self.fleet.release_memory(tags)
 
     def resume_memory(self, tags: list[str]) -> None:
-        self.fleet.call_all("resume_memory", tags)
+        self.fleet.resume_memory(tags)
 
-    def engine_health(self) -> list[dict]:
-        return self.fleet.call_all("health")
+    def engine_health(self) -> dict[str, bool]:
+        return self.fleet.health()

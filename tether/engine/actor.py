@@ -1,0 +1,60 @@
+"""The engine as a Ray actor: the embedded engine behind its serving core and HTTP server.
+
+Rollout traffic goes over HTTP (through the router), like it would to an SGLang server; weight
+buckets from the trainer arrive as Ray calls (object-store references: shared memory on one host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tether.engine.base import GenerateRequest
+from tether.engine.core import EngineCore
+from tether.engine.embedded import EmbeddedEngine
+from tether.engine.generate import GenerateOutput
+from tether.engine.server import EngineServer
+
+
+class EngineActor:
+    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
+                 device: str = "cpu", deterministic: bool = False, max_batch_tokens: int = 1 << 16,
+                 host: str = "127.0.0.1", seed: int = 0):
+        self.engine = EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic)
+        self.core = EngineCore(self.engine, self.engine.tokenizer, max_batch=max_batch,
+                               max_batch_tokens=max_batch_tokens, seed=seed)
+        advertised = host
+        if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router
+            import ray
+
+            advertised = ray.util.get_node_ip_address()
+        self.server = EngineServer(self.core, host=host).start()
+        self._url = f"http://{advertised}:{self.server.port}"
+
+    def url(self) -> str:
+        return self._url
+
+    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
+        """Direct (non-HTTP) generation, for diagnostics: request i samples with seed + i."""
+        reqs = [self.core.submit(r.prompt_ids, replace(r.sampling, seed=seed + i)) for i, r in enumerate(requests)]
+        return [r.future.result() for r in reqs]
+
+    def load_weight_bucket(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+        return self.core.exclusive(lambda: self.engine.load_weight_bucket(tensors, version))
+
+    def commit_weights(self, version: int) -> int:
+        return self.core.exclusive(lambda: self.engine.commit_weights(version))
+
+    def release_memory(self, tags: list[str]) -> None:
+        self.core.release_memory(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.core.resume_memory(tags)
+
+    def health(self) -> dict:
+        return {**self.engine.health(), **self.core.load(), "url": self._url}
+
+    def shutdown(self) -> None:
+        self.server.stop()
+
