@@ -29,7 +29,7 @@ def run_until_done(batcher: ContinuousBatcher, arrivals: dict[int, list]) -> dic
     done, step = {}, 0
     while arrivals or len(batcher.batch):
         new = arrivals.pop(step, [])
-        seqs = [batcher.new_sequence(k, p, sp, torch.Generator().manual_seed(seed)) for k, p, sp, seed in new]
+        seqs = [batcher.new_sequence(k, p, sp, seed) for k, p, sp, seed in new]
         finished = batcher.prefill(seqs)
         if len(batcher.batch):
             finished += batcher.decode_step()
@@ -39,8 +39,8 @@ def run_until_done(batcher: ContinuousBatcher, arrivals: dict[int, list]) -> dic
 
 
 def alone(model, prompt, params, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return generate_batch(model, [prompt], [params], {1}, 0, [gen])[0]
+    """The same request served by itself."""
+    return run_until_done(ContinuousBatcher(model, {1}, 0), {0: [("only", prompt, params, seed)]})["only"]
 
 
 def test_late_joiners_match_running_alone(model):
@@ -52,6 +52,8 @@ def test_late_joiners_match_running_alone(model):
                 5: [("e", [20, 21], greedy, 5)]}
     expected = {k: alone(model, p, sp, seed) for items in arrivals.values() for k, p, sp, seed in items}
     got = run_until_done(ContinuousBatcher(model, {1}, 0), dict(arrivals))
+    # greedy rows also match the static-batch generator
+    assert got["a"].output_ids == generate_batch(model, [[5, 6, 7, 8]], greedy, {1}, 0)[0].output_ids
     for key, ref in expected.items():
         assert got[key].output_ids == ref.output_ids, key
         assert max(abs(a - b) for a, b in zip(got[key].output_logprobs, ref.output_logprobs)) < 1e-5, key
@@ -62,8 +64,8 @@ def test_finished_rows_leave_and_columns_are_trimmed(model):
     batcher = ContinuousBatcher(model, {1}, 0)
     long = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-    batcher.prefill([batcher.new_sequence("long-prompt", list(range(5, 25)), short, torch.Generator()),
-                     batcher.new_sequence("short-prompt", [5, 6], long, torch.Generator())])
+    batcher.prefill([batcher.new_sequence("long-prompt", list(range(5, 25)), short, 0),
+                     batcher.new_sequence("short-prompt", [5, 6], long, 0)])
     assert len(batcher.batch) == 2 and batcher.batch.mask.shape[1] == 20
     finished = batcher.decode_step()
     assert [s.key for s in finished] == ["long-prompt"] and len(batcher.batch) == 1
@@ -76,7 +78,7 @@ def test_group_prompts_are_prefilled_once(model):
     batcher = ContinuousBatcher(model, {1}, 0)
     params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10]
-    seqs = [batcher.new_sequence(i, prompt, params, torch.Generator().manual_seed(i)) for i in range(8)]
+    seqs = [batcher.new_sequence(i, prompt, params, i) for i in range(8)]
     batcher.prefill(seqs)
     assert batcher.stats["prefill_tokens"] == 6 and batcher.stats["prefill_tokens_shared"] == 42
     done = {}
@@ -89,7 +91,7 @@ def test_group_prompts_are_prefilled_once(model):
 def test_abort_finishes_a_row_with_what_it_has(model):
     batcher = ContinuousBatcher(model, {1}, 0)
     params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
-    batcher.prefill([batcher.new_sequence(k, [5, 6], params, torch.Generator()) for k in ("x", "y")])
+    batcher.prefill([batcher.new_sequence(k, [5, 6], params, 0) for k in ("x", "y")])
     batcher.decode_step()
     finished = batcher.decode_step(abort={0})
     assert [s.key for s in finished] == ["x"] and finished[0].finish_reason == "abort"
@@ -120,9 +122,24 @@ def test_bfloat16_model_generates(tmp_path):
     bf16 = load_model(str(path), "bfloat16").eval()
     batcher = ContinuousBatcher(bf16, {1}, 0)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
-    batcher.prefill([batcher.new_sequence(0, [5, 6], params, torch.Generator().manual_seed(0))])
+    batcher.prefill([batcher.new_sequence(0, [5, 6], params, 0)])
     done = []
     while len(batcher.batch):
         done += batcher.decode_step()
     (seq,) = done
     assert len(seq.output_ids) == 4 and all(lp <= 0 for lp in seq.output_logprobs)
+
+
+def test_counter_based_sampling_matches_the_distribution():
+    """Gumbel-max over hashed noise draws from softmax(logits / T): check frequencies over many seeds."""
+    from tether.engine.sampling import sample_rows
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=0.8)] * 20000
+    tokens, logprobs = sample_rows(logits, params, torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    freq = torch.bincount(tokens, minlength=4).double() / 20000
+    expected = torch.softmax(logits[0].double() / 0.8, -1)
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+    assert torch.allclose(logprobs, torch.log(expected).float()[tokens], atol=1e-6)
+    again, _ = sample_rows(logits[:3], params[:3], torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(again, tokens[:3])  # a row's draw does not depend on its batch-mates

@@ -37,7 +37,8 @@ class EngineActor:
 
     def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
         """Direct (non-HTTP) generation, for diagnostics: request i samples with seed + i."""
-        reqs = [self.core.submit(r.prompt_ids, replace(r.sampling, seed=seed + i)) for i, r in enumerate(requests)]
+        reqs = self.core.submit_many([(r.prompt_ids, replace(r.sampling, seed=seed + i), None)
+                                      for i, r in enumerate(requests)])
         return [r.future.result() for r in reqs]
 
     def load_weight_bucket(self, tensors: dict[str, torch.Tensor], version: int) -> int:

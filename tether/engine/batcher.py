@@ -6,7 +6,8 @@ attention serves it unchanged. At each step:
 
 1. new requests are prefilled; requests with the same prompt (the n samples of a GRPO group) are
    prefilled once and their cache rows copied (prefix sharing), then each samples its first token;
-2. all running rows decode one token together, each with its own sampling settings and generator;
+2. all running rows decode one token together, each with its own sampling settings and noise
+   stream (counter-based: a row's tokens depend on its seed, not on its batch-mates);
 3. finished rows leave at once (their cache rows are dropped, and columns no row uses any more
    are trimmed), freeing room for waiting requests.
 """
@@ -19,9 +20,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from tether.engine.generate import GenerateOutput, _earliest_stop, cache_kwarg, left_pad
-from tether.engine.sampling import SamplingParams, sample_next
+from tether.engine.sampling import SamplingParams, sample_rows
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Sequence:
     key: Any  # the caller's handle for this request
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # this request's noise stream: its tokens depend on it, not on its batch-mates
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -61,6 +63,65 @@ class Sequence:
             if isinstance(self.matched, str):
                 text = text[: text.find(self.matched)]
         return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text)
+
+
+class GrowingLayer(DynamicLayer):
+    """A KV-cache layer with spare room: a decode step writes its column in place.
+
+    HF's dynamic layer concatenates on every step, copying the whole cache each time (quadratic in
+    the response length); this one grows its buffer by half when full, so a step copies nothing.
+    ``keys`` / ``values`` are views of the filled part; assigning them (batch edits) adopts the
+    tensor as the new buffer.
+    """
+
+    # Keys and values keep their own lengths: batch edits assign them one after the other.
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._klen = self._vlen = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._kbuf is None else self._kbuf[:, :, : self._klen]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._kbuf = value
+        self._klen = value.shape[-2] if value is not None and value.dim() == 4 else 0
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._vbuf is None else self._vbuf[:, :, : self._vlen]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._vbuf = value
+        self._vlen = value.shape[-2] if value is not None and value.dim() == 4 else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._klen == 0:
+            self.keys, self.values = key_states, value_states
+            return self.keys, self.values
+        self._kbuf, self._klen = self._append(self._kbuf, self._klen, key_states)
+        self._vbuf, self._vlen = self._append(self._vbuf, self._vlen, value_states)
+        return self.keys, self.values
+
+    @staticmethod
+    def _append(buf: torch.Tensor, length: int, new: torch.Tensor) -> tuple[torch.Tensor, int]:
+        end = length + new.shape[-2]
+        if end > buf.shape[-2]:
+            grown = buf.new_empty((*buf.shape[:2], end + max(16, length // 2), buf.shape[-1]))
+            grown[:, :, :length] = buf[:, :, :length]
+            buf = grown
+        buf[:, :, length:end] = new
+        return buf, end
+
+
+def new_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -125,15 +186,16 @@ class ContinuousBatcher:
         self.kv = cache_kwarg(model)
         self.stats = {"prefill_tokens": 0, "prefill_tokens_shared": 0, "decode_steps": 0}
 
-    def new_sequence(self, key: Any, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> Sequence:
+    def new_sequence(self, key: Any, prompt: list[int], params: SamplingParams, seed: int) -> Sequence:
         if params.stop and self.decode is None:
             raise ValueError("stop strings need a decode function")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-        return Sequence(key, list(prompt), params, generator, stop_ids)
+        return Sequence(key, list(prompt), params, seed, stop_ids)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        params = [s.params for s in seqs]
-        tokens, logprobs = sample_next(logits, params if len(set(params)) > 1 else params[0], [s.generator for s in seqs])
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long)
+        steps = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long)
+        tokens, logprobs = sample_rows(logits, [s.params for s in seqs], seeds, steps)
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.record(token, logprob, self.decode)
 
@@ -150,9 +212,10 @@ class ContinuousBatcher:
         prompts = [list(p) for p in unique]
         ids, mask = left_pad(prompts, self.pad_id)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = new_cache()
+        # logits_to_keep=1: only the last position's logits are needed (a full [B, T, vocab] is large).
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{self.kv: cache}).logits[:, -1]
+                            logits_to_keep=1, **{self.kv: cache}).logits[:, -1]
         self.stats["prefill_tokens"] += int(mask.sum())
         self.stats["prefill_tokens_shared"] += sum(len(s.prompt) for s in seqs) - int(mask.sum())
         index = torch.tensor(owner, dtype=torch.long)

@@ -72,17 +72,24 @@ class EngineCore:
 
     # ------------------------------------------------------------ client side
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
-        if not input_ids:
-            raise ValueError("input_ids is empty: generation needs at least one prompt token")
-        req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}")
-        if req.kv_tokens > self.max_batch_tokens:
-            raise RequestTooLarge(f"request {req.rid} needs {req.kv_tokens} KV tokens (prompt {len(input_ids)} + "
-                                  f"max_new_tokens {params.max_new_tokens}) > engine budget {self.max_batch_tokens}")
+        return self.submit_many([(input_ids, params, rid)])[0]
+
+    def submit_many(self, items: list[tuple[list[int], SamplingParams, str | None]]) -> list[Request]:
+        """Queue several requests at once: they are admitted together (one prefill), in order."""
+        reqs = []
+        for input_ids, params, rid in items:
+            if not input_ids:
+                raise ValueError("input_ids is empty: generation needs at least one prompt token")
+            req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}")
+            if req.kv_tokens > self.max_batch_tokens:
+                raise RequestTooLarge(f"request {req.rid} needs {req.kv_tokens} KV tokens (prompt {len(input_ids)} "
+                                      f"+ max_new_tokens {params.max_new_tokens}) > engine budget {self.max_batch_tokens}")
+            reqs.append(req)
         with self._cond:
-            self._waiting.append(req)
-            self.stats["requests"] += 1
+            self._waiting.extend(reqs)
+            self.stats["requests"] += len(reqs)
             self._cond.notify()
-        return req
+        return reqs
 
     def generate(self, input_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> GenerateOutput:
         return self.submit(input_ids, params).future.result(timeout=timeout_s)
@@ -154,11 +161,10 @@ class EngineCore:
                 self._running[req.rid] = req
             return admitted
 
-    def _generator(self, req: Request) -> torch.Generator:
-        seed = req.params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return torch.Generator().manual_seed(seed)
+    def _seed(self, req: Request) -> int:
+        if req.params.seed is not None:
+            return req.params.seed
+        return int(torch.randint(0, 2**62, (1,), generator=self._rng))
 
     def _resolve(self, finished: list) -> None:
         with self._cond:
@@ -190,7 +196,7 @@ class EngineCore:
                     f"engine memory is released ({sorted(self.engine.released)}) or weights are not loaded: "
                     "resume memory and push weights before generating"))
                 new = []
-            seqs = [self.batcher.new_sequence(r, r.input_ids, r.params, self._generator(r)) for r in new]
+            seqs = [self.batcher.new_sequence(r, r.input_ids, r.params, self._seed(r)) for r in new]
             finished = self.batcher.prefill(seqs)
             if len(self.batcher.batch):
                 with self._cond:

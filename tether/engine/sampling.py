@@ -235,3 +235,51 @@ def _sample_uniform(logits: torch.Tensor, params: SamplingParams,
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     logprobs = token_logprobs(logits[:, None, :], tokens[:, None], temperature)[:, 0]
     return tokens, logprobs
+
+
+# ---------------------------------------------------------------- counter-based sampling
+# Continuous batching mixes rows from many requests; each row must draw from its own stream so
+# that its tokens depend on its seed alone, not on who it was batched with. A per-row torch
+# Generator costs one multinomial call per row per step. Instead, the noise for (seed, step, token)
+# comes from a stateless integer hash computed for the whole batch at once, and the Gumbel-max trick
+# turns it into an exact draw from the filtered distribution.
+
+_M1, _M2, _GOLDEN = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64, 0x9E3779B97F4A7C15 - 2**64
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic; masks make the shifts logical)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V], a pure function of (seed, step, token index) per row."""
+    base = _mix64(seeds.long() * _GOLDEN + steps.long())
+    x = _mix64(base[:, None] + torch.arange(vocab, dtype=torch.long) * _GOLDEN)
+    bits = (x >> 11) & ((1 << 53) - 1)  # 53 random bits -> a double in [0, 1)
+    return (bits.double() + 0.5) / float(1 << 53)
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor,
+                steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sampling with counter-based noise: logits [B, V] -> (tokens [B], log-probs [B]).
+
+    Greedy rows (temperature 0) take the argmax and report log-probs at temperature 1, as in
+    `sample_next`; sampled rows report log softmax(logits / temperature) before filtering.
+    """
+    logits = logits.float()
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    scaled = logits / temperature[:, None]
+    log_z = torch.logsumexp(scaled, dim=-1)
+    filtered = filter_logits_rows(scaled, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                                  torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None)
+    gumbel = -torch.log(-torch.log(hashed_uniform(seeds, steps, logits.shape[-1])))
+    sampled = (filtered.double() + gumbel).argmax(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - log_z
+    return tokens, logprobs

@@ -40,7 +40,7 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     def run(prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:
         try:
-            reqs = [core.submit(p, sp.to_params(), rid) for p, sp, rid in zip(prompts, params, rids)]
+            reqs = core.submit_many([(p, sp.to_params(), rid) for p, sp, rid in zip(prompts, params, rids)])
         except (ValueError, RequestTooLarge) as err:
             raise _bad_request(err) from None
         try:

