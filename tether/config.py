@@ -44,6 +44,9 @@ class ClusterConfig(Section):
     """Join an existing Ray cluster (also read from RAY_ADDRESS); None starts a local one."""
     ray_num_cpus: int | None = None
     """Logical CPUs of a locally started Ray (None: enough for the layout)."""
+    weight_sync: Literal["object_store", "distributed"] = "object_store"
+    """How weights reach the engines: Ray object store buckets (shared memory on one host), or a
+    torch.distributed broadcast group (gloo on CPU, NCCL on GPU) through the engines' HTTP API."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
     collective_timeout_s: float = Field(300.0, gt=0)

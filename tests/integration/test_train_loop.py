@@ -19,7 +19,8 @@ LAYOUTS = {
     "1actor-colocated": {"num_train_actors": 1, "colocate": True},
     "2actors-colocated": {"num_train_actors": 2, "colocate": True},
     "1actor-disaggregated": {"num_train_actors": 1, "colocate": False},
-    "2actors-disaggregated-2engines": {"num_train_actors": 2, "colocate": False, "num_engines": 2},
+    "2actors-disaggregated-2engines-broadcast": {"num_train_actors": 2, "colocate": False, "num_engines": 2,
+                                                 "weight_sync": "distributed"},
     "1actor-colocated-offload-kl": {"num_train_actors": 1, "colocate": True, "offload": True},
 }
 # Extra sections per layout: the KL loss (with a reference model) and the entropy bonus ride along once.

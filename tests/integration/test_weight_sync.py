@@ -23,10 +23,12 @@ def engine_sample(engine, prompt, seed=7):
     return out.output_ids, out.output_logprobs
 
 
-@pytest.mark.parametrize("num_train_actors", [1, 2])
-def test_engine_matches_trainer_after_sync(num_train_actors, ray_session, tiny_model_dir, addition_data, tmp_path):
+@pytest.mark.parametrize("num_train_actors, transport", [(1, "object_store"), (2, "object_store"),
+                                                         (2, "distributed")])
+def test_engine_matches_trainer_after_sync(num_train_actors, transport, ray_session, tiny_model_dir, addition_data,
+                                           tmp_path):
     cfg = config_from_dict(tiny_config(tiny_model_dir, addition_data, tmp_path,
-                                       cluster={"num_train_actors": num_train_actors}))
+                                       cluster={"num_train_actors": num_train_actors, "weight_sync": transport}))
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
     engine = create_engines(cfg, placement)[0]

@@ -105,6 +105,25 @@ class UpdateWeightsIn(Strict):
     flush_cache: bool = True
 
 
+class InitGroupIn(Strict):
+    master_address: str
+    master_port: int
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "tether-weights"
+    backend: str = "gloo"
+
+
+class UpdateDistributedIn(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "tether-weights"
+    weight_version: int | None = None
+    """Set on the last call of an update: the version is committed after loading its tensors."""
+    flush_cache: bool = True
+
+
 class CompletionIn(BaseModel):
     """OpenAI /v1/completions (the fields agent frameworks send; others are accepted and ignored)."""
 

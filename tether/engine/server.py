@@ -26,8 +26,10 @@ from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
 from tether.engine.protocol import (
-    AbortIn, ChatIn, CompletionIn, GenerateIn, SamplingParamsIn, TagsIn, UpdateWeightsIn, response,
+    AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
+    UpdateWeightsIn, response,
 )
+from tether.weight_sync.distributed import DTYPES, join_group, receive
 
 
 def _bad_request(err: Exception) -> HTTPException:
@@ -133,8 +135,43 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
         except EngineError as err:
             raise _bad_request(err) from None
 
+    _add_distributed_routes(app, core, request_timeout_s)
     _add_openai_routes(app, core, run, decode, model_name)
     return app
+
+
+def _add_distributed_routes(app: FastAPI, core: EngineCore, timeout_s: float) -> None:
+    groups: dict[str, Any] = {}
+
+    @app.post("/init_weights_update_group")
+    def init_group(body: InitGroupIn) -> dict:
+        # Blocks until every member (the trainer's rank 0 and all engines) has joined.
+        groups[body.group_name] = join_group(body.master_address, body.master_port, body.rank_offset,
+                                             body.world_size, body.backend, timeout_s)
+        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+
+    @app.post("/update_weights_from_distributed")
+    def update_distributed(body: UpdateDistributedIn) -> dict:
+        group = groups.get(body.group_name)
+        if group is None:
+            raise _bad_request(ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group"))
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            raise _bad_request(ValueError("names, dtypes and shapes must have the same length"))
+        unknown = [d for d in body.dtypes if d not in DTYPES]
+        if unknown:
+            raise _bad_request(ValueError(f"unknown dtypes {unknown}; known: {list(DTYPES)}"))
+        # Receive outside the model lock (generation goes on), then load between two decode steps.
+        tensors = receive(group, body.names, body.dtypes, body.shapes, core.engine.device)
+        version = body.weight_version
+
+        def apply() -> int:
+            core.engine.load_weight_bucket(tensors, version if version is not None else core.engine.weight_version)
+            return core.engine.commit_weights(version) if version is not None else core.engine.weight_version
+
+        try:
+            return {"success": True, "weight_version": core.exclusive(apply)}
+        except EngineError as err:
+            raise _bad_request(err) from None
 
 
 def _text(out, decode, params: SamplingParamsIn) -> str:

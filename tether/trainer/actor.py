@@ -28,6 +28,7 @@ from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_toke
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 from tether.weight_sync import ObjectStoreSender, WeightSender
+from tether.weight_sync.distributed import DistributedSender
 
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
@@ -136,9 +137,19 @@ class TrainActor:
         return [out[i].tolist() for i in mine]
 
     # ------------------------------------------------------------ weights
-    def connect_engines(self, engines: list[Any]) -> None:
-        if self.rank == 0:
-            self.sender = ObjectStoreSender(engines, timeout_s=self.cfg.cluster.call_timeout_s)
+    def connect_engines(self, engines: list[Any], urls: list[str]) -> None:
+        """Rank 0 sets up the weight transport to the engines (Ray handles, and their HTTP URLs)."""
+        if self.rank != 0:
+            return
+        c = self.cfg.cluster
+        if c.weight_sync == "distributed":
+            import ray
+
+            self.sender = DistributedSender(urls, ray.util.get_node_ip_address(),
+                                            backend="nccl" if self.device == "cuda" else "gloo",
+                                            timeout_s=c.call_timeout_s, device=self.device)
+        else:
+            self.sender = ObjectStoreSender(engines, timeout_s=c.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Gather full weights (collective) and stream them from rank 0 to every engine."""

@@ -45,7 +45,8 @@ class TrainerGroup:
         return self.group.call("score", batch, what="score")[0]
 
     def connect_engines(self, engines: list[Any]) -> None:
-        self.group.call("connect_engines", engines, what="connect engines")
+        urls = wait([e.url.remote() for e in engines], self.group.timeout_s, "engine server addresses")
+        self.group.call("connect_engines", engines, urls, what="connect engines")
 
     def push_weights(self, version: int) -> dict[str, float]:
         refs = self.group.submit("push_weights", version)

@@ -1,0 +1,108 @@
+"""Weights over a torch.distributed broadcast group: trainer rank 0 is rank 0, engine i is rank i + 1.
+
+The group is separate from the trainer's own (FSDP) group: it is built from a TCPStore that trainer
+rank 0 hosts, with gloo on CPU and NCCL on GPU. Engines join and receive through their HTTP API
+(`/init_weights_update_group`, `/update_weights_from_distributed`, as SGLang servers do), so the same
+sender drives any engine that speaks it. Each HTTP call blocks in the engine while the trainer
+broadcasts, so the calls go out on threads and the broadcasts run here; all of it has timeouts.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Iterable
+
+import httpx
+import torch
+from torch.distributed import TCPStore
+
+from tether.weight_sync.base import WeightSender
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """A standalone process group (not the default one): returns the backend object to broadcast on."""
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
+    if backend == "nccl":
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
+    if backend != "gloo":
+        raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def receive(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device: str) -> dict[str, torch.Tensor]:
+    """Engine side: the tensors rank 0 broadcasts, in the announced order."""
+    out = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+        group.broadcast(tensor, 0).wait()
+        out[name] = tensor
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class DistributedSender(WeightSender):
+    def __init__(self, engine_urls: list[str], master_address: str, backend: str = "gloo",
+                 bucket_bytes: int = 256 << 20, timeout_s: float = 300.0, device: str = "cpu"):
+        self.urls = engine_urls
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.device = device
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(engine_urls)), thread_name_prefix="weights")
+        self._client = httpx.Client(timeout=timeout_s)
+        port = _free_port()
+        world = len(engine_urls) + 1
+        body = {"master_address": master_address, "master_port": port, "world_size": world,
+                "group_name": "tether-weights", "backend": backend}
+        calls = [self._pool.submit(self._post, url, "/init_weights_update_group", {**body, "rank_offset": i + 1})
+                 for i, url in enumerate(engine_urls)]
+        self.group = join_group(master_address, port, 0, world, backend, timeout_s)
+        self._wait(calls, "engines joining the weight-sync group")
+
+    def _post(self, url: str, path: str, body: dict) -> dict:
+        reply = self._client.post(f"{url}{path}", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}{path} answered {reply.status_code}: {reply.text}")
+        return reply.json()
+
+    def _wait(self, calls: list, what: str) -> None:
+        try:
+            for call in calls:
+                call.result(timeout=self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"timed out after {self.timeout_s:.0f}s waiting for {what}") from None
+
+    def _bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        body = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": "tether-weights",
+                "weight_version": version}
+        calls = [self._pool.submit(self._post, url, "/update_weights_from_distributed", body) for url in self.urls]
+        for _, tensor in bucket:
+            self.group.broadcast(tensor.to(self.device).contiguous(), 0).wait()
+        self._wait(calls, f"engines confirming a weight bucket of {len(bucket)} tensors")
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = total = buckets = 0
+        for name, tensor in named_tensors:
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                self._bucket(bucket, None)
+                total, bucket, size, buckets = total + size, [], 0, buckets + 1
+        self._bucket(bucket, version)  # the last one (possibly empty) commits the version
+        total += size
+        return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/megabytes": total / 2**20,
+                "weight_sync/buckets": float(buckets + 1)}
