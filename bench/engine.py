@@ -77,16 +77,24 @@ def bench_hf(path: Path, prompts, n: int, new_tokens: int) -> float:
 VLLM_RUNNER = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
-path, prompts, n, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model=path, enforce_eager=True, dtype="float32", skip_tokenizer_init=True)
-params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0,
-                        ignore_eos=True)
-inputs = [{"prompt_token_ids": p} for p in prompts]
-start = time.perf_counter()
-outs = llm.generate(inputs, params)
-elapsed = time.perf_counter() - start
-tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-print("RESULT", tokens / elapsed)
+
+
+def main():  # vLLM starts its engine core with spawn: the script body must sit behind __main__
+    path, prompts, n, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=path, enforce_eager=True, dtype="float32", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.3)  # on CPU: the share of RAM reserved for the KV cache
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0,
+                            ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:1], SamplingParams(max_tokens=2))  # warm-up: first-call set-up is not throughput
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params)
+    elapsed = time.perf_counter() - start
+    print("RESULT", sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
