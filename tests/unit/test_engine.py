@@ -14,7 +14,7 @@ from tether.engine.base import MEMORY_TAGS, GenerateRequest
 from tether.engine.embedded import EmbeddedEngine, EngineError
 from tether.engine.generate import generate_batch, left_pad
 from tether.engine.sampling import SamplingParams, filter_logits, sample_next
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.tiny import build_tiny_model
 from tether.trainer.model import load_model
 from tether.trainer.step import StepSettings, forward_logprobs, response_logprobs
 
@@ -24,20 +24,6 @@ PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]
 # --------------------------------------------------------------------------- #
 # fixtures
 # --------------------------------------------------------------------------- #
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The model is tiny: extra intra-op threads only add synchronisation (and are very slow on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,10 @@ from tether.algorithms.logprobs import token_logprobs
 from tether.engine.generate import GenerateOutput, generate_batch, make_generators
 from tether.engine.sampling import (SamplingParams, filter_logits, filter_logits_rows, filter_min_p,
                                     sample_next)
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.tiny import build_tiny_model
 from tether.trainer.model import load_model
 
 PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The model is tiny: extra intra-op threads only add synchronisation (and are very slow on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
 
 
 @pytest.fixture(scope="module")
