@@ -24,7 +24,7 @@ from tether.trainer.model import load_tokenizer
 DATA_STATE = "data_source.json"
 
 
-def rollout_metrics(samples: list[Sample], max_len: int) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     rewards = [float(s.reward) for s in samples]
     lengths = [s.response_length for s in samples]
     return {
@@ -106,7 +106,7 @@ class RolloutManager:
         start = time.perf_counter()
         compute_rewards(self.reward_fn, samples, r.reward)
         metrics["timing/reward_s"] = time.perf_counter() - start
-        metrics.update(rollout_metrics(samples, r.max_response_len))
+        metrics.update(rollout_metrics(samples))
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
         return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
