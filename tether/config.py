@@ -105,6 +105,9 @@ class RolloutConfig(Section):
     max_batch_tokens: int = Field(1 << 16, ge=1)
     """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
     requests beyond it wait their turn."""
+    onednn_linear: bool = True
+    """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
+    version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""
     engine_host: str = "127.0.0.1"
     """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
     address is then given to the router)."""

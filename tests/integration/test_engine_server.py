@@ -161,6 +161,8 @@ def test_release_resume_and_weight_update(client, server, tiny_model_dir):
     ({"input_ids": [5], "sampling_params": {"top_p": 1.5}}, 422, "top_p"),
     ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, 400, "empty"),
     ({"input_ids": [[5], [6]], "sampling_params": [{"max_new_tokens": 2}]}, 400, "2 prompts but 1"),
+    ({"input_ids": [5, 10**6], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids[1] = 1000000 is outside"),
+    ({"input_ids": [-1, 5], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids[0] = -1 is outside"),
 ])
 def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
     reply = client.post("/generate", json=body)
@@ -169,6 +171,33 @@ def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
     garbage = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": "bm90IHRlbnNvcnM="})
     assert garbage.status_code == 400 and "safetensors" in garbage.json()["detail"]
     assert client.post("/release_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
+
+
+def test_model_work_runs_on_the_worker_thread_even_while_paused(server):
+    core = server.core
+    core.pause()
+    try:
+        assert core.exclusive(lambda: threading.current_thread().name) == "engine-worker"
+        with pytest.raises(ZeroDivisionError):  # the caller gets fn's error; the worker goes on
+            core.exclusive(lambda: 1 / 0)
+    finally:
+        core.resume()
+    assert core.exclusive(lambda: 7) == 7
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(client, server, monkeypatch):
+    """An exception in prefill fails the newcomers (HTTP 500 with the error), never leaves them hanging."""
+    batcher = server.core.batcher
+
+    def broken(seqs):
+        raise RuntimeError("prefill exploded")
+
+    monkeypatch.setattr(batcher, "prefill", broken)
+    reply = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}})
+    assert reply.status_code == 500 and "prefill exploded" in reply.text
+    monkeypatch.undo()
+    assert len(gen(client, [5, 6], max_new_tokens=3, ignore_eos=True)["output_ids"]) == 3
+    assert server.core.load()["running"] == 0
 
 
 def test_openai_endpoints(client):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from tether.batch import TrainBatch
 from tether.engine.batcher import ContinuousBatcher
 from tether.engine.generate import generate_batch
+from tether.engine.kernels import pack_linears
 from tether.engine.sampling import SamplingParams
 from tether.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.model import load_model
@@ -43,7 +46,18 @@ def alone(model, prompt, params, seed):
     return run_until_done(ContinuousBatcher(model, {1}, 0), {0: [("only", prompt, params, seed)]})["only"]
 
 
-def test_late_joiners_match_running_alone(model):
+@pytest.fixture(params=["torch", "onednn"])
+def engine_model(request, model):
+    """The model as the engine runs it: torch's linears, or oneDNN's packed ones (kernels.py)."""
+    if request.param == "torch":
+        return model
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed) > 0
+    return packed
+
+
+def test_late_joiners_match_running_alone(engine_model):
+    model = engine_model
     greedy = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=7, ignore_eos=True)
     short = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
@@ -99,13 +113,16 @@ def test_abort_finishes_a_row_with_what_it_has(model):
     assert [s.finish_reason for s in batcher.abort_all()] == ["abort"] and len(batcher.batch) == 0
 
 
-def test_engine_logprobs_equal_trainer_recomputation(model):
-    """On-policy exactness in float32: mean |engine - trainer| under 1e-6 for sampled responses."""
+def test_engine_logprobs_equal_trainer_recomputation(model, engine_model):
+    """On-policy exactness in float32: mean |engine - trainer| under 1e-6 for sampled responses.
+
+    With oneDNN linears in the engine too, while the trainer keeps torch's matmul.
+    """
     params = SamplingParams(temperature=0.7, max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [5, 6, 7]]
     arrivals = {0: [(i, p, params, i) for i, p in enumerate(prompts[:2])],
                 3: [(i + 2, p, params, i + 2) for i, p in enumerate(prompts[2:])]}
-    got = run_until_done(ContinuousBatcher(model, {1}, 0), arrivals)
+    got = run_until_done(ContinuousBatcher(engine_model, {1}, 0), arrivals)
     seqs = [got[i] for i in range(4)]
     batch = TrainBatch(tokens=[s.prompt + s.output_ids for s in seqs], prompt_lengths=[len(s.prompt) for s in seqs],
                        response_lengths=[len(s.output_ids) for s in seqs], temperature=0.7)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from tether.engine.base import GenerateRequest
-from tether.engine.core import EngineCore
+from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.generate import GenerateOutput
 from tether.engine.server import EngineServer
@@ -20,10 +20,11 @@ from tether.engine.server import EngineServer
 class EngineActor:
     def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
                  device: str = "cpu", deterministic: bool = False, max_batch_tokens: int = 1 << 16,
-                 host: str = "127.0.0.1", seed: int = 0):
-        self.engine = EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic)
-        self.core = EngineCore(self.engine, self.engine.tokenizer, max_batch=max_batch,
-                               max_batch_tokens=max_batch_tokens, seed=seed)
+                 host: str = "127.0.0.1", seed: int = 0, onednn_linear: bool = True):
+        self.core = start_engine_core(
+            lambda: EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic, onednn_linear),
+            max_batch=max_batch, max_batch_tokens=max_batch_tokens, seed=seed)
+        self.engine = self.core.engine
         advertised = host
         if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router
             import ray

@@ -12,6 +12,7 @@ import torch
 
 from tether.engine.base import KV_CACHE, WEIGHTS, Engine, GenerateRequest, check_tags
 from tether.engine.generate import GenerateOutput, generate_batch
+from tether.engine.kernels import drop_packed, onednn_available, pack_linears
 from tether.trainer.model import load_model, load_tokenizer
 
 
@@ -21,12 +22,14 @@ class EngineError(RuntimeError):
 
 class EmbeddedEngine(Engine):
     def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
-                 device: str = "cpu", deterministic: bool = False):
+                 device: str = "cpu", deterministic: bool = False, onednn_linear: bool = True):
         if threads:
             torch.set_num_threads(threads)
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.model = load_model(model_path, dtype, device).eval()
+        # CPU decode is mostly linear layers: run them through oneDNN with packed weights (kernels.py).
+        self.packed_linears = pack_linears(self.model) if onednn_linear and onednn_available() else 0
         self.tokenizer = tokenizer = load_tokenizer(model_path)
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -98,6 +101,7 @@ class EmbeddedEngine(Engine):
                 # Shrink every parameter's storage to nothing; shapes are kept to reallocate on resume.
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                drop_packed(self.model)  # the packed copies are weights too
             # The KV cache lives only for the duration of one generate call here, so kv_cache has
             # nothing persistent to free; the tag is still tracked so generate refuses to run.
             self.released.add(tag)

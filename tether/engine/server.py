@@ -49,6 +49,13 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
             return [(req, req.future.result(timeout=request_timeout_s)) for req in reqs]
         except EngineError as err:
             raise HTTPException(status_code=503, detail=str(err)) from None
+        except TimeoutError:
+            for req in reqs:
+                core.abort(req.rid)
+            raise HTTPException(status_code=504, detail=f"generation of {len(reqs)} request(s) took over "
+                                                        f"{request_timeout_s}s; aborted") from None
+        except Exception as err:  # the engine step failed: say why instead of a bare 500
+            raise HTTPException(status_code=500, detail=f"generation failed: {type(err).__name__}: {err}") from None
 
     def decode(ids: list[int], skip: bool = True) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip)

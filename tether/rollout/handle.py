@@ -22,7 +22,7 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
     engines = [
         cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
             cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device,
-            cfg.deterministic, cfg.rollout.max_batch_tokens, cfg.rollout.engine_host, cfg.seed)
+            cfg.deterministic, cfg.rollout.max_batch_tokens, cfg.rollout.engine_host, cfg.seed, cfg.rollout.onednn_linear)
         for bundle in placement.engine_bundles
     ]
     wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
