@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tether.config import RolloutConfig  # noqa: E402
 from tether.engine.core import start_engine_core  # noqa: E402
 from tether.engine.embedded import EmbeddedEngine  # noqa: E402
 from tether.engine.sampling import SamplingParams  # noqa: E402
@@ -43,8 +44,12 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -
 
 
 def bench_tether(path: Path, prompts, n: int, new_tokens: int) -> float:
-    # As an engine actor serves: the model loaded off the calling thread, the core's worker decodes.
-    core = start_engine_core(lambda: EmbeddedEngine(str(path)), max_batch=len(prompts) * n, max_batch_tokens=1 << 20)
+    # As an engine actor serves (with the config's defaults): the model loaded off the calling
+    # thread, the core's worker decodes.
+    defaults = RolloutConfig()
+    core = start_engine_core(lambda: EmbeddedEngine(str(path), onednn_linear=defaults.onednn_linear),
+                             max_batch=len(prompts) * n, max_batch_tokens=1 << 20,
+                             prefix_cache_tokens=defaults.prefix_cache_tokens)
     params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts) * n)]
     start = time.perf_counter()

@@ -105,6 +105,10 @@ class RolloutConfig(Section):
     max_batch_tokens: int = Field(1 << 16, ge=1)
     """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
     requests beyond it wait their turn."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Tokens of KV an engine keeps from finished requests so later ones that repeat a prefix (the
+    next turn of a conversation, a shared system prompt) skip recomputing it; flushed whenever the
+    weights change. 0 disables it."""
     onednn_linear: bool = True
     """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
     version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""

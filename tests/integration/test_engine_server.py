@@ -26,7 +26,8 @@ def server(tiny_model_dir):
     torch.set_num_threads(1)
     engine = EmbeddedEngine(str(tiny_model_dir))
     # A small KV budget so that the budget test can overfill it.
-    core = EngineCore(engine, load_tokenizer(str(tiny_model_dir)), max_batch=64, max_batch_tokens=400)
+    core = EngineCore(engine, load_tokenizer(str(tiny_model_dir)), max_batch=64, max_batch_tokens=400,
+                      prefix_cache_tokens=256)
     srv = EngineServer(core).start()
     yield srv
     srv.stop()
@@ -171,6 +172,25 @@ def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
     garbage = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": "bm90IHRlbnNvcnM="})
     assert garbage.status_code == 400 and "safetensors" in garbage.json()["detail"]
     assert client.post("/release_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
+
+
+def test_prefix_cache_across_requests_flushed_on_demand_and_on_new_weights(client, server):
+    client.post("/flush_cache")
+    system = list(range(5, 45))  # 40 tokens: 2 whole blocks of 16 and a bit
+    first = gen(client, system + [50], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    before = client.get("/get_load").json()["prefix_cache"]
+    again = gen(client, system + [50], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    after = client.get("/get_load").json()["prefix_cache"]
+    assert after["hit_tokens"] - before["hit_tokens"] == 32 and again["output_ids"] == first["output_ids"]
+    assert client.post("/flush_cache").json()["flushed_tokens"] > 0
+    assert client.get("/get_load").json()["prefix_cache"]["tokens"] == 0
+    gen(client, system, max_new_tokens=2)
+    assert client.get("/get_load").json()["prefix_cache"]["tokens"] == 32
+    weights = {k: v.clone() for k, v in server.core.engine.model.state_dict().items() if "layers.0.mlp" in k}
+    client.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(
+        save_safetensors(weights)).decode()})
+    gen(client, [5, 6], max_new_tokens=1)  # the next step sees new weights: the old KV goes
+    assert client.get("/get_load").json()["prefix_cache"]["tokens"] == 0
 
 
 def test_model_work_runs_on_the_worker_thread_even_while_paused(server):

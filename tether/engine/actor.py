@@ -20,10 +20,11 @@ from tether.engine.server import EngineServer
 class EngineActor:
     def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
                  device: str = "cpu", deterministic: bool = False, max_batch_tokens: int = 1 << 16,
-                 host: str = "127.0.0.1", seed: int = 0, onednn_linear: bool = True):
+                 host: str = "127.0.0.1", seed: int = 0, onednn_linear: bool = True,
+                 prefix_cache_tokens: int = 0):
         self.core = start_engine_core(
             lambda: EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic, onednn_linear),
-            max_batch=max_batch, max_batch_tokens=max_batch_tokens, seed=seed)
+            max_batch=max_batch, max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens, seed=seed)
         self.engine = self.core.engine
         advertised = host
         if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router

@@ -5,7 +5,10 @@ occupy its rightmost columns and the attention mask hides the rest, so any HF de
 attention serves it unchanged. At each step:
 
 1. new requests are prefilled; requests with the same prompt (the n samples of a GRPO group) are
-   prefilled once and their cache rows copied (prefix sharing), then each samples its first token;
+   prefilled once and their cache rows copied (prefix sharing), and a prompt whose leading blocks
+   were served before starts from their cached KV (prefix_cache.py); then each samples its first
+   token. A row's cache may then hold padding between its cached part and the rest: the attention
+   mask hides it and positions come from the sequence, not the column;
 2. all running rows decode one token together, each with its own sampling settings and noise
    stream (counter-based: a row's tokens depend on its seed, not on its batch-mates);
 3. finished rows leave at once (their cache rows are dropped, and columns no row uses any more
@@ -23,6 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tether.engine.generate import GenerateOutput, _earliest_stop, cache_kwarg, left_pad
+from tether.engine.prefix_cache import CachedPrefix, PrefixCache
 from tether.engine.sampling import SamplingParams, sample_rows
 
 
@@ -177,14 +181,16 @@ class ContinuousBatcher:
     """Prefill and decode steps over a RunningBatch (called by the engine core's worker thread)."""
 
     def __init__(self, model: nn.Module, eos_ids: set[int], pad_id: int,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, prefix_cache: PrefixCache | None = None):
         self.model = model
         self.eos = frozenset(eos_ids)
         self.pad_id = pad_id
         self.decode = decode
+        self.prefix_cache = prefix_cache
         self.batch = RunningBatch()
         self.kv = cache_kwarg(model)
-        self.stats = {"prefill_tokens": 0, "prefill_tokens_shared": 0, "decode_steps": 0}
+        self.stats = {"prefill_tokens": 0, "prefill_tokens_shared": 0, "prefill_tokens_cached": 0,
+                      "decode_steps": 0}
 
     def new_sequence(self, key: Any, prompt: list[int], params: SamplingParams, seed: int) -> Sequence:
         if params.stop and self.decode is None:
@@ -210,14 +216,19 @@ class ContinuousBatcher:
         unique: dict[tuple[int, ...], int] = {}
         owner = [unique.setdefault(tuple(s.prompt), len(unique)) for s in seqs]
         prompts = [list(p) for p in unique]
-        ids, mask = left_pad(prompts, self.pad_id)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = new_cache()
+        hits = [self.prefix_cache.lookup(p) if self.prefix_cache is not None else (None, 0)
+                for p in prompts]
+        ids, mask, positions, cache = self._prefill_inputs(prompts, hits)
         # logits_to_keep=1: only the last position's logits are needed (a full [B, T, vocab] is large).
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                             logits_to_keep=1, **{self.kv: cache}).logits[:, -1]
-        self.stats["prefill_tokens"] += int(mask.sum())
-        self.stats["prefill_tokens_shared"] += sum(len(s.prompt) for s in seqs) - int(mask.sum())
+        computed = sum(len(p) - cached for p, (_, cached) in zip(prompts, hits))
+        self.stats["prefill_tokens"] += computed
+        self.stats["prefill_tokens_cached"] += sum(cached for _, cached in hits)
+        self.stats["prefill_tokens_shared"] += sum(len(s.prompt) for s in seqs) - sum(len(p) for p in prompts)
+        if self.prefix_cache is not None:
+            for row, prompt in enumerate(prompts):
+                self._remember(row, prompt, cache, mask)
         index = torch.tensor(owner, dtype=torch.long)
         if len(unique) != len(seqs):
             cache.batch_select_indices(index)  # copies of a shared prompt's cache rows: prefix sharing
@@ -231,6 +242,39 @@ class ContinuousBatcher:
                 mask = mask[torch.tensor(live, dtype=torch.long)]
             self.batch.add([seqs[i] for i in live], cache, mask)
         return finished
+
+    def _prefill_inputs(self, prompts: list[list[int]], hits: list[tuple[CachedPrefix | None, int]]):
+        """input ids, attention mask, positions and a KV cache holding every prompt's cached prefix.
+
+        Row i: [padding | its cached prefix (from the prefix cache) | padding | the rest of its prompt];
+        only the rest is computed.
+        """
+        cached = [length for _, length in hits]
+        ids, mask = left_pad([p[c:] for p, c in zip(prompts, cached)], self.pad_id)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(cached)[:, None]
+        cache = new_cache()
+        past = max(cached)
+        if past == 0:
+            return ids, mask, positions, cache
+        past_mask = torch.zeros((len(prompts), past), dtype=mask.dtype)
+        template = next(entry for entry, _ in hits if entry is not None)
+        for layer in range(len(template.keys)):
+            kv_heads, _, head_dim = template.keys[layer].shape
+            keys = template.keys[layer].new_zeros((len(prompts), kv_heads, past, head_dim))
+            values = torch.zeros_like(keys)
+            for row, (entry, length) in enumerate(hits):
+                if length:
+                    keys[row, :, past - length:] = entry.keys[layer][:, :length]
+                    values[row, :, past - length:] = entry.values[layer][:, :length]
+                    past_mask[row, past - length:] = 1
+            cache.update(keys, values, layer)
+        return ids, torch.cat([past_mask, mask], dim=1), positions, cache
+
+    def _remember(self, row: int, tokens: list[int], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Offer row's KV (the columns its mask marks, i.e. ``tokens``) to the prefix cache."""
+        columns = mask[row].bool()
+        self.prefix_cache.insert(tokens, [layer.keys[row][:, columns] for layer in cache.layers],
+                                 [layer.values[row][:, columns] for layer in cache.layers])
 
     @torch.no_grad()
     def decode_step(self, abort: set[int] = frozenset()) -> list[Sequence]:
@@ -260,6 +304,11 @@ class ContinuousBatcher:
     def _drop_finished(self) -> list[Sequence]:
         b = self.batch
         finished = [s for s in b.seqs if s.finish_reason is not None]
+        if finished and self.prefix_cache is not None:
+            # What a row was fed (its last token never was) may be the next turn's prefix.
+            for row, seq in enumerate(b.seqs):
+                if seq.finish_reason is not None:
+                    self._remember(row, seq.prompt + seq.output_ids[:-1], b.cache, b.mask)
         if finished:
             b.keep([i for i, s in enumerate(b.seqs) if s.finish_reason is None])
         return finished

@@ -29,6 +29,7 @@ from tether.engine.base import KV_CACHE
 from tether.engine.batcher import ContinuousBatcher
 from tether.engine.embedded import EmbeddedEngine, EngineError
 from tether.engine.generate import GenerateOutput
+from tether.engine.prefix_cache import PrefixCache
 from tether.engine.sampling import SamplingParams
 
 
@@ -51,7 +52,7 @@ class Request:
 
 class EngineCore:
     def __init__(self, engine: EmbeddedEngine, tokenizer: Any, *, max_batch: int = 256,
-                 max_batch_tokens: int = 1 << 16, seed: int = 0):
+                 max_batch_tokens: int = 1 << 16, prefix_cache_tokens: int = 0, seed: int = 0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -59,7 +60,9 @@ class EngineCore:
         self.vocab_size = engine.model.get_input_embeddings().num_embeddings
         self._rng = torch.Generator().manual_seed(seed)  # for requests without their own seed
         self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-        self.batcher = ContinuousBatcher(engine.model, engine.eos_ids, engine.pad_id, self._decode)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self._cached_weights = engine.weights_changed  # the weights the prefix cache's KV belongs to
+        self.batcher = ContinuousBatcher(engine.model, engine.eos_ids, engine.pad_id, self._decode, self.prefix_cache)
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # admitted, in the running batch
         self._reserved = 0  # KV tokens promised to running requests (prompt + max_new_tokens each)
@@ -153,8 +156,19 @@ class EngineCore:
         def release() -> None:
             if KV_CACHE in tags:
                 self._resolve(self.batcher.abort_all())
+                self._flush_prefix_cache()
             self.engine.release_memory(tags)
         self.exclusive(release)
+
+    def flush_cache(self) -> int:
+        """Drop the cross-request prefix cache; returns how many cached tokens were dropped."""
+        return self.exclusive(self._flush_prefix_cache)
+
+    def _flush_prefix_cache(self) -> int:
+        dropped = self.prefix_cache.tokens if self.prefix_cache is not None else 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return dropped
 
     def resume_memory(self, tags: list[str]) -> None:
         self.exclusive(lambda: self.engine.resume_memory(tags))
@@ -204,6 +218,9 @@ class EngineCore:
     def _step(self) -> None:
         """One scheduling step: admit and prefill newcomers, then decode every running row once."""
         new = self._admit()
+        if self.engine.weights_changed != self._cached_weights:  # cached KV is of the old weights
+            self._flush_prefix_cache()
+            self._cached_weights = self.engine.weights_changed
         if new and (self.engine.released or self.engine.pending_weights):
             self._fail(new, EngineError(
                 f"engine memory is released ({sorted(self.engine.released)}) or weights are not loaded: "

@@ -36,6 +36,7 @@ class EmbeddedEngine(Engine):
         self.max_batch = max_batch
         self.device = device
         self.weight_version = 0
+        self.weights_changed = 0  # bumped by every change of the weights' values (caches of KV watch it)
         self.released: set[str] = set()
         self.served = 0
         self._shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
@@ -84,6 +85,7 @@ class EmbeddedEngine(Engine):
             with torch.no_grad():
                 target.copy_(tensor.to(target.dtype))
             self._pending.discard(name)
+        self.weights_changed += 1
         return len(tensors)
 
     def commit_weights(self, version: int) -> int:
@@ -96,6 +98,7 @@ class EmbeddedEngine(Engine):
 
     # ------------------------------------------------------------ memory
     def release_memory(self, tags: list[str]) -> None:
+        self.weights_changed += 1
         for tag in check_tags(tags):
             if tag == WEIGHTS and WEIGHTS not in self.released:
                 # Shrink every parameter's storage to nothing; shapes are kept to reallocate on resume.

@@ -89,13 +89,13 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     @app.get("/get_load")
     def get_load() -> dict:
-        return {**core.load(), **core.stats, **core.batcher.stats}
+        cache = core.prefix_cache
+        prefix = {} if cache is None else {"prefix_cache": {"tokens": cache.tokens, "entries": len(cache), **cache.stats}}
+        return {**core.load(), **core.stats, **core.batcher.stats, **prefix}
 
     @app.post("/flush_cache")
     def flush_cache() -> dict:
-        # KV rows live only as long as their request (prefixes are shared within a step, not kept
-        # across requests), so there is no cross-request cache to drop.
-        return {"success": True}
+        return {"success": True, "flushed_tokens": core.flush_cache()}
 
     @app.post("/abort_request")
     def abort_request(body: AbortIn) -> dict:

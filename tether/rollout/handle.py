@@ -14,15 +14,17 @@ from tether.rollout.manager import RolloutManager
 
 
 def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
-    c = cfg.cluster
+    c, r = cfg.cluster, cfg.rollout
     share = 2 if placement.colocate else 1
     busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
     cls = ray.remote(EngineActor)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     engines = [
         cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
-            cfg.model.path, cfg.model.dtype, cfg.rollout.max_generate_batch, torch_threads(c, busy), device,
-            cfg.deterministic, cfg.rollout.max_batch_tokens, cfg.rollout.engine_host, cfg.seed, cfg.rollout.onednn_linear)
+            cfg.model.path, dtype=cfg.model.dtype, max_batch=r.max_generate_batch, threads=torch_threads(c, busy),
+            device=device, deterministic=cfg.deterministic, max_batch_tokens=r.max_batch_tokens,
+            host=r.engine_host, seed=cfg.seed, onednn_linear=r.onednn_linear,
+            prefix_cache_tokens=r.prefix_cache_tokens)
         for bundle in placement.engine_bundles
     ]
     wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
