@@ -17,7 +17,6 @@ attention serves it unchanged. At each step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -25,48 +24,9 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from tether.engine.generate import GenerateOutput, _earliest_stop, cache_kwarg, left_pad
+from tether.engine.generate import Sequence, cache_kwarg, left_pad
 from tether.engine.prefix_cache import CachedPrefix, PrefixCache
 from tether.engine.sampling import SamplingParams, sample_rows
-
-
-@dataclass
-class Sequence:
-    """One request in flight: its prompt, what it produced so far, and how to continue it."""
-
-    key: Any  # the caller's handle for this request
-    prompt: list[int]
-    params: SamplingParams
-    seed: int  # this request's noise stream: its tokens depend on it, not on its batch-mates
-    stop_ids: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched: int | str | None = None
-
-    @property
-    def next_position(self) -> int:
-        # The pending (last sampled) token sits at this position once fed.
-        return len(self.prompt) + len(self.output_ids) - 1
-
-    def record(self, token: int, logprob: float, decode: Callable[[list[int]], str] | None) -> None:
-        """Append a sampled token and decide whether the sequence is finished."""
-        self.output_ids.append(token)
-        self.output_logprobs.append(logprob)
-        if token in self.stop_ids:
-            self.finish_reason, self.matched = "stop", token
-        elif self.params.stop and (hit := _earliest_stop(decode(self.output_ids), self.params.stop)) is not None:
-            self.finish_reason, self.matched = "stop", hit
-        elif len(self.output_ids) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
-
-    def output(self, decode: Callable[[list[int]], str] | None) -> GenerateOutput:
-        text = None
-        if decode is not None:
-            text = decode(self.output_ids)
-            if isinstance(self.matched, str):
-                text = text[: text.find(self.matched)]
-        return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text)
 
 
 class GrowingLayer(DynamicLayer):

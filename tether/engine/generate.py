@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,6 +94,45 @@ def _earliest_stop(text: str, stops: tuple[str, ...]) -> str | None:
     return best
 
 
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, what it produced so far, and the rules that finish it."""
+
+    key: Any  # the caller's handle for this request
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # this request's noise stream: its tokens depend on it, not on its batch-mates
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched: int | str | None = None
+
+    @property
+    def next_position(self) -> int:
+        # The pending (last sampled) token sits at this position once fed.
+        return len(self.prompt) + len(self.output_ids) - 1
+
+    def record(self, token: int, logprob: float, decode: Callable[[list[int]], str] | None) -> None:
+        """Append a sampled token and decide whether the sequence is finished (module docstring)."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason, self.matched = "stop", token
+        elif self.params.stop and (hit := _earliest_stop(decode(self.output_ids), self.params.stop)) is not None:
+            self.finish_reason, self.matched = "stop", hit
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+    def output(self, decode: Callable[[list[int]], str] | None) -> GenerateOutput:
+        text = None
+        if decode is not None:
+            text = decode(self.output_ids)
+            if isinstance(self.matched, str):
+                text = text[: text.find(self.matched)]
+        return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text)
+
+
 @torch.no_grad()
 def generate_batch(model: nn.Module, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                    eos_ids: Iterable[int], pad_id: int, generator: Generators = None, *,
@@ -128,7 +168,8 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], params: SamplingP
     sample_params = rows_params[0] if len(set(rows_params)) == 1 else rows_params
 
     eos = frozenset(eos_ids)
-    stop_ids = [frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos) for p in rows_params]
+    seqs = [Sequence(row, list(prompt), p, p.seed or 0, frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
+            for row, (prompt, p) in enumerate(zip(prompts, rows_params))]
 
     ids, mask = left_pad(prompts, pad_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -136,48 +177,25 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], params: SamplingP
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kv).logits[:, -1]
     generators = list(generator) if explicit_generators else make_generators(rows_params, generator, logits.device)
 
-    out_ids: list[list[int]] = [[] for _ in range(n)]
-    out_lp: list[list[float]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    matched: list[int | str | None] = [None] * n
     next_pos = positions[:, -1] + 1
     for _step in range(max(p.max_new_tokens for p in rows_params)):
         tokens, logprobs = sample_next(logits, sample_params, generators)
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        for row in range(n):
-            if finish[row] is not None:
-                continue
-            token, row_params = token_list[row], rows_params[row]
-            out_ids[row].append(token)
-            out_lp[row].append(logprob_list[row])
-            if token in stop_ids[row]:
-                finish[row], matched[row] = "stop", token
-            elif row_params.stop and (hit := _earliest_stop(decode(out_ids[row]), row_params.stop)) is not None:
-                finish[row], matched[row] = "stop", hit
-            elif len(out_ids[row]) >= row_params.max_new_tokens:
-                finish[row] = "length"
-        if should_abort is not None and any(f is None for f in finish):
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            if seq.finish_reason is None:
+                seq.record(token, logprob, decode)
+        if should_abort is not None and any(s.finish_reason is None for s in seqs):
             for row in should_abort():
                 if not 0 <= row < n:
                     raise ValueError(f"should_abort returned row {row}, outside a batch of {n} rows")
-                if finish[row] is None:
-                    finish[row] = "abort"
-        if all(f is not None for f in finish):
+                if seqs[row].finish_reason is None:
+                    seqs[row].finish_reason = "abort"
+        if all(s.finish_reason is not None for s in seqs):
             break
         # Finished rows keep decoding a pad token (their outputs are no longer recorded): a static batch.
-        done = torch.tensor([f is not None for f in finish], device=tokens.device)
+        done = torch.tensor([s.finish_reason is not None for s in seqs], device=tokens.device)
         step_tokens = tokens.masked_fill(done, pad_id)[:, None]
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
         logits = model(input_ids=step_tokens, attention_mask=mask, position_ids=next_pos[:, None],
                        use_cache=True, **kv).logits[:, -1]
         next_pos = next_pos + 1
-
-    outputs = []
-    for row in range(n):
-        text = None
-        if decode is not None:
-            text = decode(out_ids[row])
-            if isinstance(matched[row], str):
-                text = text[: text.find(matched[row])]
-        outputs.append(GenerateOutput(out_ids[row], out_lp[row], finish[row] or "length", matched[row], text))
-    return outputs
+    return [seq.output(decode) for seq in seqs]
