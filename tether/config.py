@@ -118,10 +118,33 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: str = "grpo"
-    """Advantage estimator by name (see tether.algorithms.advantages)."""
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator (tether/algorithms/advantages.py): grpo, dr_grpo, gspo (GRPO's advantages;
+    pair with policy_loss gspo), rloo, reinforce_pp, reinforce_pp_baseline."""
     policy_loss: str = "ppo_clip"
-    """Policy loss by name (see tether.algorithms.losses)."""
+    """Policy loss: ppo_clip, gspo, sft, or a user's 'module:function' / 'file.py:function' taking
+    (LossInputs, LossParams) and returning (loss, metrics) (tether/algorithms/losses.py)."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How token losses are combined (tether/algorithms/aggregation.py); normalisers are global over
+    the optimizer step. seq_mean_token_sum_norm divides by rollout.max_response_len (Dr. GRPO)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of token-level returns (reinforce_pp, reinforce_pp_baseline)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda (PPO with a critic)."""
+    kl_in_reward_coef: float = Field(0.0, ge=0)
+    """Per-token KL(policy || reference) penalty in the reward (token-level estimators only);
+    > 0 loads a frozen reference model."""
+    kl_in_reward_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    """KL estimator of the in-reward penalty."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip PPO: for negative advantages a token's loss is at most -A * c. None: off."""
+    rollout_correction: Literal["none", "token_clip", "sequence_mask"] = "none"
+    """Reweight the policy-gradient term by pi_trainer / pi_engine (tether/algorithms/rollout_correction.py):
+    token_clip = truncated importance sampling; sequence_mask drops sequences whose ratio is out of range."""
+    rollout_is_low: float = Field(0.0, ge=0)
+    """Lower bound of the rollout-correction ratio (token_clip: clamp; sequence_mask: keep range)."""
+    rollout_is_high: float = Field(2.0, gt=0)
+    """Upper bound of the rollout-correction ratio."""
     eps_clip_low: float = Field(0.2, ge=0)
     """PPO lower clip: ratio is clipped at 1 - eps_clip_low."""
     eps_clip_high: float = Field(0.2, ge=0)
@@ -137,7 +160,24 @@ class AlgorithmConfig(Section):
 
     @property
     def needs_ref_model(self) -> bool:
-        return self.kl_loss_coef > 0 or self.log_kl
+        return self.kl_loss_coef > 0 or self.kl_in_reward_coef > 0 or self.log_kl
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> AlgorithmConfig:
+        from tether.algorithms.advantages import TOKEN_LEVEL
+
+        if self.kl_in_reward_coef > 0 and self.advantage_estimator not in TOKEN_LEVEL:
+            raise ValueError(f"kl_in_reward_coef > 0 needs a token-level advantage_estimator "
+                             f"({', '.join(sorted(TOKEN_LEVEL - {'gae'}))}), got {self.advantage_estimator!r}")
+        if self.rollout_is_low >= self.rollout_is_high:
+            raise ValueError(f"rollout_is_low={self.rollout_is_low} must be below rollout_is_high={self.rollout_is_high}")
+        if ":" not in self.policy_loss:
+            from tether.algorithms.losses import POLICY_LOSSES
+
+            if self.policy_loss not in POLICY_LOSSES:
+                raise ValueError(f"policy_loss {self.policy_loss!r} is not one of {sorted(POLICY_LOSSES)} "
+                                 "nor a 'module:function' / 'file.py:function'")
+        return self
 
 
 class TrainConfig(Section):
@@ -285,6 +325,8 @@ class TetherConfig(Section):
             raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
         if self.train.min_lr > self.train.lr:
             raise ValueError(f"train.min_lr={self.train.min_lr} is larger than train.lr={self.train.lr}")
+        if self.algorithm.advantage_estimator == "rloo" and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError("algorithm.advantage_estimator=rloo needs rollout.n_samples_per_prompt >= 2")
         names = [d.name for d in self.eval.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"eval.datasets names must be unique, got {names}")

@@ -35,16 +35,17 @@ def rl_batch() -> TrainBatch:
                       group_size=4, rewards=rewards, rollout_logprobs=logprobs, temperature=0.9)
 
 
-def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, micro_batch_size: int):
+def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, micro_batch_size: int,
+                           algorithm: dict | None = None):
     raw = tiny_config(model_dir, data, tmp_path, cluster={"num_train_actors": num_train_actors},
                       train={"lr": 1e-2, "micro_batch_size": micro_batch_size, "global_batch_size": 8,
                              "grad_clip": 0.0},
-                      rollout={"prompts_per_rollout": 2, "n_samples_per_prompt": 4})
+                      rollout={"prompts_per_rollout": 2, "n_samples_per_prompt": 4}, algorithm=algorithm or {})
     cfg = config_from_dict(raw)
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
     try:
-        trainer.init(total_steps=1, with_ref=False, load_dir=None)
+        trainer.init(total_steps=1, with_ref=cfg.algorithm.needs_ref_model, load_dir=None)
         metrics = trainer.train(0, ray.put(rl_batch()))
         out = tmp_path / f"hf_{num_train_actors}_{micro_batch_size}"
         trainer.save_hf(str(out))
@@ -65,3 +66,18 @@ def test_layouts_reach_the_same_weights(ray_session, tiny_model_dir, addition_da
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (key, actors, micro)
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     assert max(float((reference[k] - start[k]).abs().max()) for k in start) > 1e-4  # the step did move them
+
+
+def test_sequence_level_terms_are_layout_independent_too(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """Per-sequence aggregation, a token-level estimator with KL in the reward (gathered across
+    ranks), GSPO's sequence ratio, dual clip and the rollout correction: still one big batch."""
+    algorithm = {"loss_agg_mode": "seq_mean_token_mean", "advantage_estimator": "reinforce_pp_baseline",
+                 "kl_in_reward_coef": 0.1, "policy_loss": "gspo", "eps_clip_low": 0.05, "eps_clip_high": 0.05,
+                 "dual_clip_c": 3.0, "rollout_correction": "token_clip"}
+    reference, ref_metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, 1, 8, algorithm)
+    for actors, micro in ((1, 3), (2, 1)):
+        weights, metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, actors, micro, algorithm)
+        worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        assert worst < 1e-5, (actors, micro, worst)
+        for key in ("train/loss", "train/pg_loss", "train/rollout_is_weight", "train/kl"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (key, actors, micro)

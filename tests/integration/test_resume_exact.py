@@ -56,8 +56,10 @@ def tether_train(config: Path, crash_at: str | None = None, load: Path | None = 
     # Its own session: the crash kills this run's process group and nothing else.
     proc = subprocess.run(cmd, cwd=ROOT, env=env, start_new_session=True, timeout=600,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if crash_at is None and proc.returncode != 0:
-        raise AssertionError(f"tether train failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    expected = -9 if crash_at else 0  # SIGKILL of the process group at the crash point
+    if proc.returncode != expected:
+        what = f"meant to be killed at {crash_at}" if crash_at else "meant to finish"
+        raise AssertionError(f"tether train ({what}) exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.returncode
 
 

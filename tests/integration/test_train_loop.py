@@ -83,3 +83,30 @@ def test_save_then_load_continues(ray_session, tiny_model_dir, addition_data, tm
     prompts = [sorted({json.loads(l)["prompt_index"] for l in (out / "rollouts" / r).read_text().splitlines()})
                for r in rollouts]
     assert len({tuple(p) for p in prompts}) == 4
+
+
+ESTIMATORS = {  # estimator -> the algorithm section that exercises it
+    "grpo": {"loss_agg_mode": "token_mean"},
+    "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
+    "gspo": {"policy_loss": "gspo", "eps_clip_low": 3e-4, "eps_clip_high": 4e-4, "loss_agg_mode": "seq_mean_token_mean"},
+    "rloo": {"dual_clip_c": 3.0, "rollout_correction": "token_clip"},
+    "reinforce_pp": {"kl_in_reward_coef": 0.01, "gamma": 0.99},
+    "reinforce_pp_baseline": {"kl_in_reward_coef": 0.01, "rollout_correction": "sequence_mask"},
+}
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_each_estimator_runs_two_rollouts(estimator, ray_session, tiny_model_dir, addition_data, tmp_path):
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run",
+                      rollout={"num_rollout": 2}, eval={"datasets": []}, checkpoint={"save_interval": None},
+                      algorithm={"advantage_estimator": estimator, **ESTIMATORS[estimator]})
+    train(config_from_dict(raw))
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert all(row[k] == row[k] for k in ("train/loss", "train/pg_loss", "train/grad_norm")), row  # not NaN
+        assert row["train/adv_mean"] == row["train/adv_mean"]
+        assert row["train/grad_norm"] > 0, row
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "hf" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -7,9 +7,10 @@ a pure function of tensors, and loss/advantage functions return
 
 from tether.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
-    broadcast_to_tokens,
+    AdvantageInputs,
+    AdvantageParams,
+    Advantages,
     get_advantage_estimator,
-    grpo_advantages,
 )
 from tether.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_estimate
 from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
@@ -29,12 +30,13 @@ __all__ = [
     "POLICY_LOSSES",
     "LossInputs",
     "LossParams",
-    "broadcast_to_tokens",
+    "AdvantageInputs",
+    "AdvantageParams",
+    "Advantages",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_estimator",
     "get_policy_loss",
-    "grpo_advantages",
     "kl_estimate",
     "policy_objective",
     "ppo_clip_loss",

@@ -1,17 +1,31 @@
-"""Group-relative advantage estimators (GRPO and Dr. GRPO).
+"""Advantage estimators, one small function each, chosen by name from ``ADVANTAGE_ESTIMATORS``.
 
-Rewards arrive flat, laid out group after group: samples
-``i * group_size ... (i + 1) * group_size - 1`` are the completions of prompt
-``i``. Every estimator in ``ADVANTAGE_ESTIMATORS`` has the signature
-``(rewards, group_size) -> (advantages, metrics)``; the advantage of a sample is
-one number per sequence, spread over its response tokens with
-``broadcast_to_tokens``.
+Layout: the rollout's N samples arrive group after group (samples ``i * group_size ...
+(i + 1) * group_size - 1`` answer prompt i), and token tensors are ``[N, T]`` with response token
+k of a sample in column k (``mask`` is 1 on real response tokens). Every estimator is a pure
+function ``(AdvantageInputs, AdvantageParams) -> (Advantages, metrics)`` returning per-token
+advantages (and, for the critic, per-token returns).
+
+Outcome estimators give every token of a response the same value:
+
+- ``grpo``:     (r - mean_group) / (std_group + eps)
+- ``dr_grpo``:  r - mean_group (no std: near-uniform groups are not up-weighted)
+- ``gspo``:     GRPO's advantages; GSPO differs in its sequence-level ratio (policy loss ``gspo``)
+- ``rloo``:     r - mean of the *other* samples of the group = G / (G - 1) * (r - mean_group)
+
+Token-level estimators see a per-token reward: the sequence reward on the last response token,
+minus ``kl_coef`` times the per-token KL(policy || reference) when the KL goes in the reward:
+
+- ``reinforce_pp``:          discounted return G_t = sum_k gamma^k r_(t+k), whitened over the batch
+- ``reinforce_pp_baseline``: the same after subtracting the group mean from the sequence reward
+- ``gae``:                   PPO with a critic: delta_t = r_t + gamma V_(t+1) - V_t,
+                             A_t = sum_k (gamma lambda)^k delta_(t+k), returns = A + V; A whitened
 """
 
 from __future__ import annotations
 
 import operator
-from functools import partial
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,13 +33,51 @@ from torch import Tensor
 
 __all__ = [
     "AdvantageFn",
+    "AdvantageInputs",
+    "AdvantageParams",
+    "Advantages",
     "ADVANTAGE_ESTIMATORS",
-    "grpo_advantages",
+    "NEEDS_VALUES",
+    "TOKEN_LEVEL",
     "get_advantage_estimator",
-    "broadcast_to_tokens",
+    "grpo_advantages",
 ]
 
-AdvantageFn = Callable[[Tensor, int], tuple[Tensor, dict[str, float]]]
+
+@dataclass
+class AdvantageInputs:
+    rewards: Tensor
+    """[N] one scalar reward per sample."""
+    mask: Tensor
+    """[N, T] 1 on response tokens (token k of a response in column k), 0 on padding."""
+    group_size: int
+    kl: Tensor | None = None
+    """[N, T] per-token KL(policy || reference) of the rollout tokens; used when kl_coef > 0."""
+    values: Tensor | None = None
+    """[N, T] critic values V(s_t) before each response token (``gae`` only)."""
+
+
+@dataclass
+class AdvantageParams:
+    gamma: float = 1.0
+    """Discount of token-level returns."""
+    lam: float = 1.0
+    """GAE's lambda."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL penalty in the reward (token-level estimators)."""
+    eps: float = 1e-6
+    """Added to standard deviations before dividing."""
+
+
+@dataclass
+class Advantages:
+    advantages: Tensor
+    """[N, T], 0 outside the mask."""
+    returns: Tensor | None = None
+    """[N, T] value targets (``gae``); None otherwise."""
+
+
+AdvantageFn = Callable[[AdvantageInputs, AdvantageParams], tuple[Advantages, dict[str, float]]]
 
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
@@ -38,65 +90,147 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    n = rewards.numel()
-    if n % size != 0:
-        raise ValueError(f"rewards length {n} is not divisible by group_size {size}")
+    if rewards.numel() % size != 0:
+        raise ValueError(f"rewards length {rewards.numel()} is not divisible by group_size {size}")
     r = rewards.detach()
-    if not r.is_floating_point():
-        r = r.float()
-    return r.view(n // size, size)
+    return (r if r.is_floating_point() else r.float()).view(-1, size)
 
 
-def grpo_advantages(
-    rewards: Tensor,
-    group_size: int,
-    *,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, dict[str, float]]:
-    """Group-normalised advantages: ``(r - mean_g) / (std_g + eps)``.
-
-    The std is the population std (``unbiased=False``): it is defined for
-    ``group_size == 1`` (giving 0) and is the natural scale of the group's own
-    rewards. A group whose rewards are all equal gets advantage exactly 0 (the
-    centred values are forced to 0 rather than left as float rounding residue).
-    With ``normalize_std=False`` this is Dr. GRPO: only the group mean is
-    subtracted, which avoids up-weighting near-uniform groups.
-
-    Returns:
-        ``(advantages [N], metrics)`` with metrics ``adv_mean``, ``adv_std`` and
-        ``zero_std_frac`` (fraction of groups whose rewards are all equal).
-    """
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+def _centred(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(r - group mean [G, S], constant-group flags [G, 1]); constant groups are exactly 0."""
     g = _grouped(rewards, group_size)
-    if g.numel() == 0:
-        return g.reshape(0), {"adv_mean": 0.0, "adv_std": 0.0, "zero_std_frac": 0.0}
-
-    # Constant groups carry no learning signal; detect them exactly (max == min)
-    # so that their advantage is exactly 0, not mean-rounding noise.
+    # Constant groups carry no signal: detect them exactly so their advantage is 0, not rounding noise.
     constant = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
-    centred = torch.where(constant, torch.zeros_like(g), g - g.mean(dim=1, keepdim=True))
-    if normalize_std:
-        # Population std from the centred values (0 for constant groups).
-        std = centred.pow(2).mean(dim=1, keepdim=True).sqrt()
-        adv = centred / (std + eps)
-    else:
-        adv = centred
+    return torch.where(constant, torch.zeros_like(g), g - g.mean(dim=1, keepdim=True)), constant
 
-    flat = adv.reshape(-1)
-    metrics = {
-        "adv_mean": flat.mean().item(),
-        "adv_std": flat.std(unbiased=False).item(),
-        "zero_std_frac": constant.float().mean().item(),
-    }
-    return flat, metrics
+
+def _check(inp: AdvantageInputs) -> Tensor:
+    mask = inp.mask.to(torch.float32)
+    if mask.dim() != 2 or mask.shape[0] != inp.rewards.shape[0]:
+        raise ValueError(f"mask must be [N, T] with N = {inp.rewards.shape[0]} rewards, got {tuple(mask.shape)}")
+    return mask
+
+
+def _outcome(seq_adv: Tensor, mask: Tensor, constant: Tensor) -> tuple[Advantages, dict[str, float]]:
+    flat = seq_adv.reshape(-1)
+    metrics = {"adv_mean": flat.mean().item() if flat.numel() else 0.0,
+               "adv_std": flat.std(unbiased=False).item() if flat.numel() else 0.0,
+               "zero_std_frac": constant.float().mean().item() if constant.numel() else 0.0}
+    return Advantages(flat[:, None] * mask), metrics
+
+
+def grpo_advantages(inp: AdvantageInputs, p: AdvantageParams, *, normalize_std: bool = True):
+    """Group-normalised outcome advantages; population std (0 for a group of one)."""
+    mask = _check(inp)
+    centred, constant = _centred(inp.rewards, inp.group_size)
+    if normalize_std:
+        centred = centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + p.eps)
+    return _outcome(centred, mask, constant)
+
+
+def dr_grpo_advantages(inp: AdvantageInputs, p: AdvantageParams):
+    return grpo_advantages(inp, p, normalize_std=False)
+
+
+def rloo_advantages(inp: AdvantageInputs, p: AdvantageParams):
+    """Leave-one-out baseline: r_i - mean_(j != i) r_j, which is G / (G - 1) * (r_i - mean)."""
+    if inp.group_size < 2:
+        raise ValueError(f"rloo needs at least 2 samples per prompt, got group_size {inp.group_size}")
+    mask = _check(inp)
+    centred, constant = _centred(inp.rewards, inp.group_size)
+    return _outcome(centred * inp.group_size / (inp.group_size - 1), mask, constant)
+
+
+def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
+    """[N, T]: the sequence reward on each response's last token, minus kl_coef * KL on every token."""
+    out = torch.zeros_like(mask)
+    lengths = mask.sum(dim=1).long()
+    has_tokens = lengths > 0
+    rows = torch.nonzero(has_tokens).squeeze(1)
+    out[rows, lengths[rows] - 1] = rewards.float()[rows]
+    if kl_coef > 0:
+        if kl is None:
+            raise ValueError("a KL penalty in the reward needs per-token KL (a reference model)")
+        out = out - kl_coef * kl.float() * mask
+    return out * mask
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_(t+1), right to left, within each response."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns * mask
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
+    """(x - mean) / (std + eps) over the masked tokens of the whole batch; 0 outside the mask."""
+    count = mask.sum()
+    if count == 0:
+        return torch.zeros_like(x)
+    mean = (x * mask).sum() / count
+    var = ((x - mean).pow(2) * mask).sum() / count
+    return (x - mean) / (var.sqrt() + eps) * mask
+
+
+def _token_level(inp: AdvantageInputs, p: AdvantageParams, rewards: Tensor) -> tuple[Advantages, dict[str, float]]:
+    mask = _check(inp)
+    returns = discounted_returns(token_rewards(rewards, mask, inp.kl, p.kl_coef), mask, p.gamma)
+    adv = whiten(returns, mask, p.eps)
+    count = max(float(mask.sum()), 1.0)
+    return Advantages(adv), {"return_mean": float((returns * mask).sum()) / count,
+                             "adv_mean": float((adv * mask).sum()) / count}
+
+
+def reinforce_pp_advantages(inp: AdvantageInputs, p: AdvantageParams):
+    """REINFORCE++: no baseline but batch whitening of the (KL-penalised) discounted returns."""
+    return _token_level(inp, p, inp.rewards)
+
+
+def reinforce_pp_baseline_advantages(inp: AdvantageInputs, p: AdvantageParams):
+    """REINFORCE++-baseline: the group mean is subtracted from each sequence reward first."""
+    centred, _ = _centred(inp.rewards, inp.group_size)
+    return _token_level(inp, p, centred.reshape(-1))
+
+
+def gae_advantages(inp: AdvantageInputs, p: AdvantageParams):
+    """Generalised advantage estimation against the critic's values (V after the last token is 0)."""
+    mask = _check(inp)
+    if inp.values is None:
+        raise ValueError("gae needs the critic's values")
+    values = inp.values.float() * mask
+    rewards = token_rewards(inp.rewards, mask, inp.kl, p.kl_coef)
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros(rewards.shape[0])
+    running = torch.zeros(rewards.shape[0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        live = mask[:, t]
+        delta = rewards[:, t] + p.gamma * next_value - values[:, t]
+        running = (delta + p.gamma * p.lam * running) * live
+        adv[:, t] = running
+        # Padding after a response keeps next_value and running at the response's own end (0).
+        next_value = torch.where(live > 0, values[:, t], next_value)
+    returns = (adv + values) * mask
+    count = max(float(mask.sum()), 1.0)
+    metrics = {"return_mean": float(returns.sum()) / count, "value_mean": float(values.sum()) / count}
+    return Advantages(whiten(adv, mask, p.eps), returns), metrics
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "grpo": partial(grpo_advantages, normalize_std=True),
-    "dr_grpo": partial(grpo_advantages, normalize_std=False),
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "gspo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_advantages,
 }
+TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
+"""Estimators with per-token rewards: the only ones a KL penalty in the reward applies to."""
+NEEDS_VALUES = frozenset({"gae"})
+"""Estimators that need a critic."""
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:
@@ -104,20 +238,4 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
-
-
-def broadcast_to_tokens(seq_adv: Tensor, mask: Tensor) -> Tensor:
-    """Spread one advantage per sequence ``[N]`` over its tokens ``[N, L]``.
-
-    Positions where ``mask`` is 0 (prompt, padding) get advantage 0.
-    """
-    if seq_adv.dim() != 1 or mask.dim() != 2 or mask.shape[0] != seq_adv.shape[0]:
-        raise ValueError(
-            f"seq_adv must be [N] and mask [N, L]; got seq_adv {tuple(seq_adv.shape)}, "
-            f"mask {tuple(mask.shape)}"
-        )
-    adv = seq_adv if seq_adv.is_floating_point() else seq_adv.float()
-    return adv.unsqueeze(1) * mask.to(adv.dtype)
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None

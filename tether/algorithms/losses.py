@@ -1,12 +1,13 @@
-"""Token-level policy losses (PPO clip, SFT) and the full policy objective.
+"""Policy losses (PPO clip with dual clip, GSPO, SFT, a user's function) and the full objective.
 
 Normalisation convention (the part that makes gradient accumulation exact):
-every loss and every metric is a *token sum over this micro-batch divided by
-``LossInputs.num_tokens``*, where ``num_tokens`` is the number of response
-tokens in the whole global batch (all micro-batches, all ranks). Hence
+a loss is ``sum(per_token_loss * LossInputs.loss_weights)`` over this micro-batch, where the weights
+carry the aggregation mode and its *global* normaliser (aggregation.py; by default 1 / the number
+of response tokens in the whole global batch, all micro-batches and ranks); every metric is a token
+sum divided by ``num_tokens``, that global token count. Hence
 
 * summing the losses of all micro-batches (and all-reducing with SUM across
-  ranks) gives exactly the token mean over the global batch, with the same
+  ranks) gives exactly the loss of the global batch, with the same
   gradient as one big-batch step; and
 * metric values are *contributions*: summing a metric over micro-batches and
   ranks gives its global-batch value (e.g. the global clip fraction). Do not
@@ -19,13 +20,16 @@ affecting the loss or its gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from tether.algorithms.aggregation import segment_mean
 from tether.algorithms.kl import KL_ESTIMATORS, kl_estimate
+from tether.algorithms.rollout_correction import rollout_correction_weights
+from tether.importing import load_function
 
 __all__ = [
     "LossInputs",
@@ -33,6 +37,7 @@ __all__ = [
     "PolicyLossFn",
     "POLICY_LOSSES",
     "ppo_clip_loss",
+    "gspo_loss",
     "sft_loss",
     "get_policy_loss",
     "policy_objective",
@@ -56,6 +61,12 @@ class LossInputs:
             global batch across all micro-batches and ranks (> 0).
         ref_logprobs: reference-policy log-probs, needed for the KL term.
         entropy: per-token policy entropy, for the entropy bonus/metric.
+        loss_weights: per-token weights of the aggregation mode (aggregation.py);
+            None: ``mask / num_tokens`` (token mean over the global batch).
+        seq_index: which sequence each token belongs to (sequence-level terms:
+            GSPO, the sequence mask); None: one sequence per row.
+        rollout_logprobs: the engine's log-probs of the tokens, for the
+            rollout correction (rollout_correction.py).
     """
 
     logprobs: Tensor
@@ -65,6 +76,19 @@ class LossInputs:
     num_tokens: float
     ref_logprobs: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
+    loss_weights: Optional[Tensor] = None
+    seq_index: Optional[Tensor] = None
+    rollout_logprobs: Optional[Tensor] = None
+
+    def weights(self) -> Tensor:
+        if self.loss_weights is not None:
+            return self.loss_weights
+        return self.mask.float() / _num_tokens(self)
+
+    def sequences(self) -> Tensor:
+        if self.seq_index is not None:
+            return self.seq_index
+        return torch.arange(self.mask.shape[0], device=self.mask.device)[:, None].expand(self.mask.shape)
 
 
 @dataclass
@@ -76,8 +100,19 @@ class LossParams:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     entropy_coef: float = 0.0
+    dual_clip_c: Optional[float] = None
+    """Dual clip: for negative advantages the token loss is at most -A * c (c > 1); None: off."""
+    rollout_correction: str = "none"
+    """none | token_clip | sequence_mask (rollout_correction.py)."""
+    rollout_is_low: float = 0.0
+    rollout_is_high: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c!r}")
+        if not 0.0 <= self.rollout_is_low < self.rollout_is_high:
+            raise ValueError(f"need 0 <= rollout_is_low < rollout_is_high, got {self.rollout_is_low}, "
+                             f"{self.rollout_is_high}")
         if not 0.0 <= self.eps_clip_low < 1.0:
             raise ValueError(f"eps_clip_low must be in [0, 1), got {self.eps_clip_low!r}")
         if not self.eps_clip_high >= 0.0:
@@ -108,90 +143,140 @@ def _masked(x: Tensor, inp: LossInputs, name: str) -> Tensor:
 
 
 def _token_sum(x: Tensor, inp: LossInputs, n: float) -> Tensor:
-    """``sum(x * mask) / n``: this micro-batch's share of the global token mean."""
+    """``sum(x * mask) / n``: this micro-batch's share of the global token mean (metrics)."""
     return (x * inp.mask.to(x.dtype)).sum() / n
 
 
-def ppo_clip_loss(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate with asymmetric clip range.
+def _aggregate(x: Tensor, inp: LossInputs) -> Tensor:
+    """``sum(x * loss_weights)``: this micro-batch's share of the global loss."""
+    return (x * inp.weights().to(x.dtype)).sum()
 
-    ``ratio = exp(logp - old_logp)``;
-    ``pg = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))``;
-    ``loss = sum(pg * mask) / num_tokens``.
 
-    Metrics (additive over micro-batches): ``pg_loss``; ``clipfrac``, the share
-    of response tokens where the clipped branch is strictly the larger (its
-    gradient is then 0); ``ppo_kl``, the token mean of ``old_logp - logp``.
-    """
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, inp: LossInputs, params: LossParams,
+                       metrics_prefix: str = "") -> tuple[Tensor, dict[str, float]]:
+    """max(-A r, -A clip(r)), dual-clipped for A < 0, aggregated; with clip metrics."""
     n = _num_tokens(inp)
-    logp = _masked(inp.logprobs, inp, "logprobs")
-    old = _masked(inp.old_logprobs.detach(), inp, "old_logprobs")
-    adv = _masked(inp.advantages.detach(), inp, "advantages")
-
-    log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - params.eps_clip_low, 1.0 + params.eps_clip_high)
     # Pessimistic bound: take the larger loss, so moving the ratio beyond the
     # clip range in the advantage's direction earns nothing.
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    loss = _token_sum(pg, inp, n)
-
+    metrics = {}
+    if params.dual_clip_c is not None:
+        # For A < 0 a huge ratio would make the loss unbounded: cap it at -A * c (dual-clip PPO).
+        capped = torch.minimum(pg, -adv * params.dual_clip_c)
+        with torch.no_grad():
+            metrics["dual_clipfrac"] = _token_sum(((adv < 0) & (capped < pg)).to(pg.dtype), inp, n).item()
+        pg = torch.where(adv < 0, capped, pg)
+    loss = _aggregate(pg, inp)
     with torch.no_grad():
-        clipped = (pg_clipped > pg_unclipped).to(logp.dtype)
-        metrics = {
-            "pg_loss": loss.item(),
-            "clipfrac": _token_sum(clipped, inp, n).item(),
-            "ppo_kl": _token_sum(old - logp, inp, n).item(),
-        }
+        metrics["pg_loss"] = loss.item()
+        metrics["clipfrac"] = _token_sum((pg_clipped > pg_unclipped).to(pg.dtype), inp, n).item()
+    return loss, metrics
+
+
+def ppo_clip_loss(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with asymmetric clip range (and dual clip when set).
+
+    ``ratio = exp(logp - old_logp)``;
+    ``pg = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))``;
+    dual clip: ``pg = min(pg, -A * c)`` where ``A < 0``; ``loss = sum(pg * loss_weights)``.
+
+    Metrics (additive over micro-batches): ``pg_loss``; ``clipfrac``, the share
+    of response tokens where the clipped branch is strictly the larger (its
+    gradient is then 0); ``ppo_kl``, the token mean of ``old_logp - logp``;
+    ``dual_clipfrac`` when dual clip is on.
+    """
+    n = _num_tokens(inp)
+    logp = _masked(inp.logprobs, inp, "logprobs")
+    old = _masked(inp.old_logprobs.detach(), inp, "old_logprobs")
+    adv = _masked(inp.advantages.detach(), inp, "advantages")
+    ratio = torch.exp((logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    loss, metrics = _clipped_surrogate(ratio, adv, inp, params)
+    with torch.no_grad():
+        metrics["ppo_kl"] = _token_sum(old - logp, inp, n).item()
+    return loss, metrics
+
+
+def gspo_loss(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: one importance ratio per sequence, s = exp(mean_t (logp - old_logp)), clipped per sequence.
+
+    Token form: ``r_t = sg[s] * exp(logp_t - sg[logp_t])``, equal to s in value, with the gradient
+    of s spread over the sequence's tokens. Clip bounds are GSPO's (e.g. 3e-4 / 4e-4), not PPO's.
+    Metrics: ``pg_loss``, ``clipfrac`` (tokens of clipped sequences), ``ppo_kl``.
+    """
+    n = _num_tokens(inp)
+    logp = _masked(inp.logprobs, inp, "logprobs")
+    old = _masked(inp.old_logprobs.detach(), inp, "old_logprobs")
+    adv = _masked(inp.advantages.detach(), inp, "advantages")
+    seq_log_ratio = segment_mean((logp - old).detach(), inp.sequences(), inp.mask)
+    log_ratio = (seq_log_ratio + logp - logp.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    loss, metrics = _clipped_surrogate(torch.exp(log_ratio), adv, inp, params)
+    with torch.no_grad():
+        metrics["ppo_kl"] = _token_sum(old - logp, inp, n).item()
     return loss, metrics
 
 
 def sft_loss(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, float]]:
     """Negative log-likelihood of the response tokens: ``sum(-logp * mask) / num_tokens``.
 
-    Ignores advantages and old log-probs. Metric: ``sft_loss``.
+    (with the default weights). Ignores advantages and old log-probs. Metric: ``sft_loss``.
     """
-    n = _num_tokens(inp)
     logp = _masked(inp.logprobs, inp, "logprobs")
-    loss = _token_sum(-logp, inp, n)
+    loss = _aggregate(-logp, inp)
     return loss, {"sft_loss": loss.item()}
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
     "sft": sft_loss,
 }
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """Look up a policy loss by name; ValueError lists the known names."""
+    """A policy loss by name, or a user's ``module:function`` / ``file.py:function`` taking
+    ``(LossInputs, LossParams)`` and returning ``(loss, metrics)``; ValueError lists the names."""
+    if ":" in name:
+        return load_function(name, "policy loss")
     try:
         return POLICY_LOSSES[name]
     except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}") from None
+        raise ValueError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}, or "
+                         "'module:function' / 'file.py:function'") from None
 
 
 def policy_objective(
     inp: LossInputs, params: LossParams, policy_loss: str = "ppo_clip"
 ) -> tuple[Tensor, dict[str, float]]:
-    """Full objective: policy loss + KL penalty - entropy bonus.
+    """Full objective: policy loss (rollout-corrected) + KL penalty - entropy bonus.
 
-    ``loss = policy_loss + kl_loss_coef * sum(kl * mask) / num_tokens
-    - entropy_coef * sum(entropy * mask) / num_tokens``.
+    ``loss = policy_loss(weights * w_rollout) + kl_loss_coef * sum(kl * weights)
+    - entropy_coef * sum(entropy * weights)``, with ``weights`` the aggregation
+    weights and ``w_rollout`` the rollout-correction weights (1 when off).
 
     The KL term (estimator ``params.kl_loss_type``) needs ``ref_logprobs``
     when ``kl_loss_coef > 0``; the entropy term applies when ``entropy`` is
-    given. Metrics: those of the policy loss, ``kl`` (whenever
-    ``ref_logprobs`` is given, even with coefficient 0), ``entropy`` (when
-    given) and ``loss`` (the total), all additive over micro-batches.
+    given. Metrics: those of the policy loss, ``kl`` and ``entropy`` as token
+    means (``kl`` whenever ``ref_logprobs`` is given, even with coefficient 0),
+    the rollout-correction metrics and ``loss`` (the total), all additive over
+    micro-batches.
     """
     loss_fn = get_policy_loss(policy_loss)
     n = _num_tokens(inp)
     if params.kl_loss_coef > 0 and inp.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
 
-    loss, metrics = loss_fn(inp, params)
+    pg_inp, metrics = inp, {}
+    if params.rollout_correction != "none":
+        if inp.rollout_logprobs is None:
+            raise ValueError(f"rollout_correction {params.rollout_correction!r} needs rollout_logprobs")
+        w, metrics = rollout_correction_weights(
+            params.rollout_correction, inp.old_logprobs, inp.rollout_logprobs, inp.mask, inp.sequences(),
+            params.rollout_is_low, params.rollout_is_high, n)
+        pg_inp = replace(inp, loss_weights=inp.weights() * w)
+    loss, pg_metrics = loss_fn(pg_inp, params)
+    metrics.update(pg_metrics)
 
     if inp.ref_logprobs is not None:
         use_kl = params.kl_loss_coef > 0
@@ -202,18 +287,16 @@ def policy_objective(
             _masked(inp.ref_logprobs.detach(), inp, "ref_logprobs"),
             params.kl_loss_type,
         )
-        kl = _token_sum(kl_tok, inp, n)
-        metrics["kl"] = kl.item()
+        metrics["kl"] = _token_sum(kl_tok.detach(), inp, n).item()
         if use_kl:
-            loss = loss + params.kl_loss_coef * kl
+            loss = loss + params.kl_loss_coef * _aggregate(kl_tok, inp)
 
     if inp.entropy is not None:
         use_ent = params.entropy_coef != 0
-        entropy = inp.entropy if use_ent else inp.entropy.detach()
-        ent = _token_sum(_masked(entropy, inp, "entropy"), inp, n)
-        metrics["entropy"] = ent.item()
+        entropy = _masked(inp.entropy if use_ent else inp.entropy.detach(), inp, "entropy")
+        metrics["entropy"] = _token_sum(entropy.detach(), inp, n).item()
         if use_ent:
-            loss = loss - params.entropy_coef * ent
+            loss = loss - params.entropy_coef * _aggregate(entropy, inp)
 
     metrics["loss"] = loss.item()
     return loss, metrics

@@ -8,15 +8,11 @@ A reward function takes a Sample and returns a float. A spec names one as:
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
-from pathlib import Path
-from types import ModuleType
 from typing import Callable, Sequence
 
+from tether.importing import load_function
 from tether.rewards.builtin import BUILTIN_REWARDS
 from tether.rollout.sample import Sample
 
@@ -50,63 +46,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"{sorted(BUILTIN_REWARDS)}, or use 'package.module:function' or "
             f"'path/to/file.py:function'"
         )
-    # rpartition: the function name never contains ':', a file path might.
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise RewardLoadError(
-            f"reward spec '{spec}': expected 'module:function' or 'file.py:function'"
-        )
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_file_module(spec, Path(target))
-    else:
-        module = _import_module(spec, target)
-    if not hasattr(module, attr):
-        raise RewardLoadError(
-            f"reward spec '{spec}': '{target}' has no attribute '{attr}'"
-        )
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise RewardLoadError(
-            f"reward spec '{spec}': '{attr}' in '{target}' is not callable "
-            f"(got {type(fn).__name__})"
-        )
-    return fn
-
-
-def _import_module(spec: str, name: str) -> ModuleType:
-    """Import a dotted module; a missing module becomes a RewardLoadError."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        # Only translate "this module does not exist"; a missing dependency inside
-        # the user's module is a different problem and keeps its own message.
-        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
-            raise RewardLoadError(
-                f"reward spec '{spec}': module '{name}' not found "
-                f"(is it installed or on PYTHONPATH?)"
-            ) from exc
-        raise
-
-
-def _load_file_module(spec: str, path: Path) -> ModuleType:
-    """Execute a Python file as a fresh module and return it.
-
-    The module is deliberately not registered in sys.modules: the file is not
-    importable by name elsewhere, so functions from it should be serialized by
-    value (cloudpickle does that for unregistered modules), not by reference.
-    """
-    path = path.expanduser().resolve()
-    if not path.is_file():
-        raise RewardLoadError(f"reward spec '{spec}': file '{path}' not found")
-    # A path-derived name keeps two files with the same stem apart in tracebacks.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-    module_name = f"tether_reward_{path.stem}_{digest}"
-    mod_spec = importlib.util.spec_from_file_location(module_name, path)
-    if mod_spec is None or mod_spec.loader is None:
-        raise RewardLoadError(f"reward spec '{spec}': cannot load '{path}' as a module")
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
+    return load_function(spec, "reward", RewardLoadError)
 
 
 def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str) -> list[float]:

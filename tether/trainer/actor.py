@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from tether.algorithms.advantages import AdvantageParams
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
 from tether.checkpoint import load_trainer, read_meta, save_trainer
@@ -103,8 +104,14 @@ class TrainActor:
             grad_clip=self.cfg.train.grad_clip,
             policy_loss=policy_loss or a.policy_loss,
             loss_params=LossParams(eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
-                                   kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef),
+                                   kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
+                                   dual_clip_c=a.dual_clip_c, rollout_correction=a.rollout_correction,
+                                   rollout_is_low=a.rollout_is_low, rollout_is_high=a.rollout_is_high),
             advantage_estimator=a.advantage_estimator,
+            advantage_params=AdvantageParams(gamma=a.gamma, lam=a.lam, kl_coef=a.kl_in_reward_coef),
+            kl_in_reward_type=a.kl_in_reward_type,
+            loss_agg_mode=a.loss_agg_mode,
+            max_response_len=self.cfg.rollout.max_response_len,
         )
 
     def train(self, step_id: int, batch: TrainBatch, policy_loss: str | None = None,

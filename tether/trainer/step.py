@@ -12,13 +12,15 @@ size before backward to turn that average back into the sum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tether.algorithms.advantages import get_advantage_estimator
+from tether.algorithms.advantages import AdvantageInputs, AdvantageParams, get_advantage_estimator
+from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
+from tether.algorithms.kl import kl_estimate
 from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.batch import MicroBatch, TrainBatch, collate, split_micro_batches
@@ -33,6 +35,11 @@ class StepSettings:
     policy_loss: str
     loss_params: LossParams
     advantage_estimator: str
+    advantage_params: AdvantageParams = field(default_factory=AdvantageParams)
+    kl_in_reward_type: str = "k1"
+    loss_agg_mode: str = "token_mean"
+    max_response_len: int = 1
+    """The constant normaliser of loss_agg_mode seq_mean_token_sum_norm."""
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,9 +79,36 @@ def place(mb: MicroBatch, batch: TrainBatch, per_sample: dict[int, torch.Tensor]
     return out
 
 
-def sequence_advantages(batch: TrainBatch, estimator: str) -> tuple[torch.Tensor, dict[str, float]]:
-    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    return get_advantage_estimator(estimator)(rewards, batch.group_size)
+def gather_per_sample(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's {sample: tensor} merged (each rank computed its own samples)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(local)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {i: t for part in parts for i, t in part.items()}
+
+
+def padded(per_sample: dict[int, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """[N, T] with sample i's [R_i] values left-aligned in row i."""
+    out = torch.zeros(len(lengths), max(lengths, default=0) or 1)
+    for i, length in enumerate(lengths):
+        out[i, :length] = per_sample[i][:length]
+    return out
+
+
+def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.Tensor],
+                       ref: dict[int, torch.Tensor] | None) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+    """Per-token advantages {sample: [R]} of the whole batch (identical on every rank)."""
+    lengths = batch.response_lengths
+    mask = padded({i: torch.ones(r) for i, r in enumerate(lengths)}, lengths)
+    kl = None
+    if s.advantage_params.kl_coef > 0:
+        # KL(policy || reference) of the rollout tokens, per token, for the penalty in the reward.
+        old_all, ref_all = gather_per_sample(old), gather_per_sample(ref)
+        kl = padded({i: kl_estimate(old_all[i], ref_all[i], s.kl_in_reward_type) for i in old_all}, lengths)
+    inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl)
+    result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
+    return {i: result.advantages[i, :r] for i, r in enumerate(lengths)}, metrics
 
 
 def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
@@ -106,7 +140,7 @@ def accumulate(metrics: dict[str, float], new: dict[str, float]) -> None:
         metrics[key] = metrics.get(key, 0.0) + float(value)
 
 
-def run_global_step(model, batch: TrainBatch, mine: list[int], num_tokens: float, s: StepSettings,
+def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
                     advantages: dict[int, torch.Tensor] | None, old: dict[int, torch.Tensor] | None,
                     ref: dict[int, torch.Tensor] | None, world: int) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches of one global batch (no optimizer step)."""
@@ -116,14 +150,18 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], num_tokens: float
     for chunk in split_micro_batches(mine, s.micro_batch_size):
         mb = collate(batch, chunk, s.pad_id)
         logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode)
+        rows = torch.arange(len(chunk))[:, None].expand(mb.response_mask.shape)  # one sequence per row
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=place(mb, batch, old) if old is not None else logprobs.detach(),
             advantages=place(mb, batch, advantages) if advantages is not None else torch.zeros_like(logprobs),
             mask=mb.response_mask,
-            num_tokens=num_tokens,
+            num_tokens=counts.num_tokens,
             ref_logprobs=place(mb, batch, ref) if ref is not None else None,
             entropy=entropy,
+            loss_weights=aggregation_weights(s.loss_agg_mode, mb.response_mask, rows, counts),
+            seq_index=rows,
+            rollout_logprobs=mb.rollout_logprobs if batch.rollout_logprobs is not None else None,
         )
         loss, parts = policy_objective(inputs, s.loss_params, s.policy_loss)
         (loss * world).backward()
@@ -156,14 +194,13 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     out: dict[str, float] = {}
     advantages = old = ref = None
     if is_rl:
-        seq_adv, adv_metrics = sequence_advantages(batch, s.advantage_estimator)
-        advantages = {i: seq_adv[i].expand(batch.response_lengths[i]) for i in range(n)}
-        out.update({f"train/adv_{k}": v for k, v in adv_metrics.items()})
         everything_mine = [i for step in range(n // s.global_batch_size)
                            for i in range(step * s.global_batch_size, (step + 1) * s.global_batch_size)[rank::world]]
         old = response_logprobs(model, batch, everything_mine, s)
         if ref_model is not None:
             ref = response_logprobs(ref_model, batch, everything_mine, s)
+        advantages, adv_metrics = compute_advantages(batch, s, old, ref)
+        out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
         total, count, worst = logprob_mismatch(batch, everything_mine, old)
         total, count = all_reduce_sum([total, count])
         out["mismatch/logprob_abs_diff_mean"] = total / max(count, 1.0)
@@ -172,8 +209,10 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     summed: dict[str, float] = {}
     for step in range(steps):
         global_idx = list(range(step * s.global_batch_size, (step + 1) * s.global_batch_size))
-        num_tokens = float(max(1, sum(batch.response_lengths[i] for i in global_idx)))
-        parts = run_global_step(model, batch, global_idx[rank::world], num_tokens, s, advantages, old, ref, world)
+        counts = GlobalCounts(num_tokens=float(max(1, sum(batch.response_lengths[i] for i in global_idx))),
+                              num_sequences=float(max(1, sum(batch.response_lengths[i] > 0 for i in global_idx))),
+                              max_response_len=max(1, s.max_response_len))
+        parts = run_global_step(model, batch, global_idx[rank::world], counts, s, advantages, old, ref, world)
         keys = sorted(parts)
         reduced = dict(zip(keys, all_reduce_sum([parts[k] for k in keys])))
         reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
