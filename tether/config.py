@@ -100,6 +100,11 @@ class RolloutConfig(Section):
     """Extra token ids that end a response (the tokenizer's eos always does)."""
     reward: str = "math"
     """Reward function: a built-in name (math, exact_match, f1), module:function or path/file.py:function."""
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    """DAPO overlong shaping: responses longer than max_response_len - overlong_buffer_len lose up to
+    overlong_penalty_factor of reward, linearly (tether/rewards/shaping.py). None: off."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """The largest overlong penalty (reached at max_response_len)."""
     max_generate_batch: int = Field(256, ge=1)
     """Most sequences an engine decodes at once."""
     max_batch_tokens: int = Field(1 << 16, ge=1)
@@ -325,6 +330,10 @@ class TetherConfig(Section):
             raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
         if self.train.min_lr > self.train.lr:
             raise ValueError(f"train.min_lr={self.train.min_lr} is larger than train.lr={self.train.lr}")
+        buffer = self.rollout.overlong_buffer_len
+        if buffer is not None and buffer > self.rollout.max_response_len:
+            raise ValueError(f"rollout.overlong_buffer_len={buffer} is longer than "
+                             f"rollout.max_response_len={self.rollout.max_response_len}")
         if self.algorithm.advantage_estimator == "rloo" and self.rollout.n_samples_per_prompt < 2:
             raise ValueError("algorithm.advantage_estimator=rloo needs rollout.n_samples_per_prompt >= 2")
         names = [d.name for d in self.eval.datasets]

@@ -97,8 +97,10 @@ ESTIMATORS = {  # estimator -> the algorithm section that exercises it
 
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_each_estimator_runs_two_rollouts(estimator, ray_session, tiny_model_dir, addition_data, tmp_path):
+    # DAPO's overlong shaping rides along with Dr. GRPO (4-token responses, the last 2 penalised)
+    shaping = {"overlong_buffer_len": 2} if estimator == "dr_grpo" else {}
     raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run",
-                      rollout={"num_rollout": 2}, eval={"datasets": []}, checkpoint={"save_interval": None},
+                      rollout={"num_rollout": 2, **shaping}, eval={"datasets": []}, checkpoint={"save_interval": None},
                       algorithm={"advantage_estimator": estimator, **ESTIMATORS[estimator]})
     train(config_from_dict(raw))
     rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
@@ -107,6 +109,7 @@ def test_each_estimator_runs_two_rollouts(estimator, ray_session, tiny_model_dir
         assert all(row[k] == row[k] for k in ("train/loss", "train/pg_loss", "train/grad_norm")), row  # not NaN
         assert row["train/adv_mean"] == row["train/adv_mean"]
         assert row["train/grad_norm"] > 0, row
+        assert ("rollout/overlong_penalty_mean" in row) == bool(shaping)
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(tmp_path / "run" / "hf" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)

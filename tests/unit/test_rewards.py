@@ -193,3 +193,19 @@ def test_long_response_is_excerpted():
 def test_invalid_return_values_rejected(value):
     with pytest.raises(RewardError, match=r"'bad_fn' returned"):
         compute_rewards(lambda s: value, [make_sample("r")], "bad_fn")
+
+
+def test_dapo_overlong_penalty_against_the_formula():
+    from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
+
+    # max_len 20, buffer 8: free up to 12 tokens, then linear down to -factor at 20
+    assert [overlong_penalty(n, 20, 8, 1.0) for n in (0, 12, 13, 16, 20)] == pytest.approx(
+        [0.0, 0.0, -1 / 8, -0.5, -1.0])
+    assert overlong_penalty(16, 20, 8, 0.5) == pytest.approx(-0.25)
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(5, 20, 30, 1.0)
+    samples = [Sample(prompt_index=0, sample_index=i, prompt="p", label=None, metadata={}, prompt_ids=[1],
+                      response_ids=[2] * n, reward=1.0)
+               for i, n in enumerate((4, 16))]
+    assert apply_overlong_penalty(samples, 20, 8, 1.0) == pytest.approx(-0.25)
+    assert [s.reward for s in samples] == pytest.approx([1.0, 0.5])

@@ -16,6 +16,7 @@ from tether.batch import TrainBatch
 from tether.config import EvalDatasetConfig, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
 from tether.rewards import compute_rewards, load_reward_fn
+from tether.rewards.shaping import apply_overlong_penalty
 from tether.rollout.data_source import DataSource, PromptRow, load_prompt_rows
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.sample import Sample
@@ -105,6 +106,9 @@ class RolloutManager:
                                       f"rollout {rollout_id}")
         start = time.perf_counter()
         compute_rewards(self.reward_fn, samples, r.reward)
+        if r.overlong_buffer_len is not None:
+            metrics["rollout/overlong_penalty_mean"] = apply_overlong_penalty(
+                samples, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
         metrics["timing/reward_s"] = time.perf_counter() - start
         metrics.update(rollout_metrics(samples))
         metrics["rollout/epoch"] = float(epoch)
