@@ -190,6 +190,9 @@ class TrainConfig(Section):
     """Samples per optimizer step (all ranks). None: one step per rollout (the whole rollout batch)."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward/backward on one rank; gradients accumulate up to the global batch."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Pack samples without padding into micro-batches of about this many tokens each (replaces
+    micro_batch_size), with ranks balanced by tokens (tether/trainer/micro_batches.py). None: off."""
     lr: float = Field(1e-6, gt=0)
     """Peak learning rate (AdamW)."""
     min_lr: float = Field(0.0, ge=0)

@@ -26,7 +26,10 @@ HARMLESS = (
     "rollout.max_generate_batch",
     "rollout.max_batch_tokens",
     "rollout.engine_host",
+    "rollout.onednn_linear",  # engine kernels and caches: same math
+    "rollout.prefix_cache_tokens",
     "train.micro_batch_size",  # the normaliser is global: same gradient, other memory use
+    "train.max_tokens_per_micro_batch",
 )
 
 

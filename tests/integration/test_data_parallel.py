@@ -36,10 +36,10 @@ def rl_batch() -> TrainBatch:
 
 
 def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, micro_batch_size: int,
-                           algorithm: dict | None = None):
+                           algorithm: dict | None = None, token_budget: int | None = None):
     raw = tiny_config(model_dir, data, tmp_path, cluster={"num_train_actors": num_train_actors},
                       train={"lr": 1e-2, "micro_batch_size": micro_batch_size, "global_batch_size": 8,
-                             "grad_clip": 0.0},
+                             "grad_clip": 0.0, "max_tokens_per_micro_batch": token_budget},
                       rollout={"prompts_per_rollout": 2, "n_samples_per_prompt": 4}, algorithm=algorithm or {})
     cfg = config_from_dict(raw)
     placement = plan_placement(cfg.cluster)
@@ -47,7 +47,7 @@ def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, mic
     try:
         trainer.init(total_steps=1, with_ref=cfg.algorithm.needs_ref_model, load_dir=None)
         metrics = trainer.train(0, ray.put(rl_batch()))
-        out = tmp_path / f"hf_{num_train_actors}_{micro_batch_size}"
+        out = tmp_path / f"hf_{num_train_actors}_{micro_batch_size}_{token_budget}"
         trainer.save_hf(str(out))
     finally:
         trainer.shutdown()
@@ -81,3 +81,14 @@ def test_sequence_level_terms_are_layout_independent_too(ray_session, tiny_model
         assert worst < 1e-5, (actors, micro, worst)
         for key in ("train/loss", "train/pg_loss", "train/rollout_is_weight", "train/kl"):
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (key, actors, micro)
+
+
+def test_packed_micro_batches_on_ranks_balanced_by_tokens(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """Packing without padding, token-budget micro-batches and token-balanced ranks: same step."""
+    reference, ref_metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, 1, 8)
+    for actors, budget in ((1, 20), (2, 12)):
+        weights, metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, actors, 8,
+                                                  token_budget=budget)
+        worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        assert worst < 1e-5, (actors, budget, worst)
+        assert metrics["train/loss"] == pytest.approx(ref_metrics["train/loss"], rel=1e-4, abs=1e-6)

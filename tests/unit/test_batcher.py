@@ -128,7 +128,7 @@ def test_engine_logprobs_equal_trainer_recomputation(model, engine_model):
                        response_lengths=[len(s.output_ids) for s in seqs], temperature=0.7)
     settings = StepSettings(micro_batch_size=4, global_batch_size=4, pad_id=0, grad_clip=0.0, policy_loss="ppo_clip",
                             loss_params=None, advantage_estimator="grpo")
-    trainer = response_logprobs(model, batch, list(range(4)), settings)
+    trainer = response_logprobs(model, batch, [list(range(4))], settings)
     diffs = torch.cat([(trainer[i] - torch.tensor(seqs[i].output_logprobs)).abs() for i in range(4)])
     assert float(diffs.mean()) < 1e-6 and float(diffs.max()) < 1e-5
 

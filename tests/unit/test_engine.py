@@ -284,7 +284,7 @@ def test_engine_logprobs_equal_trainer_recomputation(engine, tokenizer, prompts,
         temperature=temperature,
     )
     batch.validate()
-    recomputed = response_logprobs(engine.model, batch, list(range(len(batch))), _step_settings(tokenizer.pad_token_id))
+    recomputed = response_logprobs(engine.model, batch, [list(range(len(batch)))], _step_settings(tokenizer.pad_token_id))
     assert sorted(recomputed) == list(range(len(batch)))
     worst = 0.0
     for i in range(len(batch)):

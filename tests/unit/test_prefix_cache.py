@@ -98,6 +98,6 @@ def test_a_second_turn_reuses_the_first_and_matches_computing_afresh(model):
                        response_lengths=[len(s.output_ids) for s in turn2], temperature=0.9)
     settings = StepSettings(micro_batch_size=5, global_batch_size=5, pad_id=0, grad_clip=0.0, policy_loss="ppo_clip",
                             loss_params=None, advantage_estimator="grpo")
-    trainer = response_logprobs(model, batch, list(range(5)), settings)
+    trainer = response_logprobs(model, batch, [list(range(5))], settings)
     diffs = torch.cat([(trainer[i] - torch.tensor(s.output_logprobs)).abs() for i, s in enumerate(turn2)])
     assert float(diffs.mean()) < 1e-6

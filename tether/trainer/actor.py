@@ -112,6 +112,7 @@ class TrainActor:
             kl_in_reward_type=a.kl_in_reward_type,
             loss_agg_mode=a.loss_agg_mode,
             max_response_len=self.cfg.rollout.max_response_len,
+            max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
         )
 
     def train(self, step_id: int, batch: TrainBatch, policy_loss: str | None = None,
@@ -140,7 +141,7 @@ class TrainActor:
         self.model.eval()
         settings = self.step_settings(None, len(batch))
         mine = list(range(len(batch)))
-        out = response_logprobs(self.model, batch, mine, settings)
+        out = response_logprobs(self.model, batch, [mine], settings)
         return [out[i].tolist() for i in mine]
 
     # ------------------------------------------------------------ weights

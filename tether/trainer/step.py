@@ -23,7 +23,8 @@ from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.kl import kl_estimate
 from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
-from tether.batch import MicroBatch, TrainBatch, collate, split_micro_batches
+from tether.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
+from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 
 
 @dataclass
@@ -40,6 +41,25 @@ class StepSettings:
     loss_agg_mode: str = "token_mean"
     max_response_len: int = 1
     """The constant normaliser of loss_agg_mode seq_mean_token_sum_norm."""
+    max_tokens_per_micro_batch: int | None = None
+    """Pack samples without padding into micro-batches of about this many tokens (micro_batches.py);
+    None: micro_batch_size right-padded samples each."""
+
+
+def assign_ranks(batch: TrainBatch, global_idx: list[int], s: StepSettings, rank: int, world: int) -> list[int]:
+    """This rank's samples of one optimizer step: balanced by tokens when packing, else strided."""
+    if s.max_tokens_per_micro_batch is None:
+        return global_idx[rank::world]
+    return balance_by_tokens(global_idx, [len(t) for t in batch.tokens], world)[rank]
+
+
+def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[MicroBatch]:
+    """This rank's micro-batches over ``mine``; with packing, as many as the busiest rank needs."""
+    if s.max_tokens_per_micro_batch is None:
+        return [collate(batch, chunk, s.pad_id) for chunk in split_micro_batches(mine, s.micro_batch_size)]
+    lengths = [len(t) for t in batch.tokens]
+    count = int(all_reduce_max(float(count_by_budget(mine, lengths, s.max_tokens_per_micro_batch))))
+    return [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,7 +67,8 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entro
 
     entropy: "grad" (it is optimised), "metric" (logged only: computed without a graph), "none".
     """
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                   use_cache=False).logits[:, :-1]
     logprobs = token_logprobs(logits, mb.targets, temperature)
     if entropy == "grad":
         return logprobs, entropy_from_logits(logits, temperature)
@@ -58,23 +79,24 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entro
 
 
 @torch.no_grad()
-def response_logprobs(model: nn.Module, batch: TrainBatch, indices: list[int], s: StepSettings) -> dict[int, torch.Tensor]:
-    """Log-probs of each sample's response tokens under ``model`` (no grad): {sample index: [R]}."""
+def response_logprobs(model: nn.Module, batch: TrainBatch, steps: list[list[int]], s: StepSettings) -> dict[int, torch.Tensor]:
+    """Log-probs of each sample's response tokens under ``model`` (no grad): {sample index: [R]}.
+
+    steps: this rank's samples per optimizer step, batched exactly as the training passes are.
+    """
     out: dict[int, torch.Tensor] = {}
-    for chunk in split_micro_batches(indices, s.micro_batch_size):
-        mb = collate(batch, chunk, s.pad_id)
-        logprobs, _ = forward_logprobs(model, mb, batch.temperature)
-        for row, i in enumerate(chunk):
-            start = batch.prompt_lengths[i] - 1
-            out[i] = logprobs[row, start : start + batch.response_lengths[i]].clone()
+    for mine in steps:
+        for mb in micro_batches(batch, mine, s):
+            logprobs, _ = forward_logprobs(model, mb, batch.temperature)
+            for (row, start), i in zip(mb.spans, mb.indices):
+                out[i] = logprobs[row, start : start + batch.response_lengths[i]].clone()
     return out
 
 
 def place(mb: MicroBatch, batch: TrainBatch, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
     """Scatter per-sample response values ([R] each) into the micro-batch's [B, L-1] layout."""
     out = torch.zeros_like(mb.response_mask)
-    for row, i in enumerate(mb.indices):
-        start = batch.prompt_lengths[i] - 1
+    for (row, start), i in zip(mb.spans, mb.indices):
         out[row, start : start + batch.response_lengths[i]] = per_sample[i]
     return out
 
@@ -147,10 +169,8 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
     metrics: dict[str, float] = {}
     # Entropy is logged even when it is not optimised: its collapse is the first thing to look at.
     entropy_mode = "grad" if s.loss_params.entropy_coef > 0 else "metric"
-    for chunk in split_micro_batches(mine, s.micro_batch_size):
-        mb = collate(batch, chunk, s.pad_id)
+    for mb in micro_batches(batch, mine, s):
         logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode)
-        rows = torch.arange(len(chunk))[:, None].expand(mb.response_mask.shape)  # one sequence per row
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=place(mb, batch, old) if old is not None else logprobs.detach(),
@@ -159,8 +179,8 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
             num_tokens=counts.num_tokens,
             ref_logprobs=place(mb, batch, ref) if ref is not None else None,
             entropy=entropy,
-            loss_weights=aggregation_weights(s.loss_agg_mode, mb.response_mask, rows, counts),
-            seq_index=rows,
+            loss_weights=aggregation_weights(s.loss_agg_mode, mb.response_mask, mb.seq_index, counts),
+            seq_index=mb.seq_index,
             rollout_logprobs=mb.rollout_logprobs if batch.rollout_logprobs is not None else None,
         )
         loss, parts = policy_objective(inputs, s.loss_params, s.policy_loss)
@@ -193,26 +213,26 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     is_rl = batch.rewards is not None
     out: dict[str, float] = {}
     advantages = old = ref = None
+    steps = n // s.global_batch_size
+    global_steps = [list(range(k * s.global_batch_size, (k + 1) * s.global_batch_size)) for k in range(steps)]
+    assigned = [assign_ranks(batch, idx, s, rank, world) for idx in global_steps]
     if is_rl:
-        everything_mine = [i for step in range(n // s.global_batch_size)
-                           for i in range(step * s.global_batch_size, (step + 1) * s.global_batch_size)[rank::world]]
-        old = response_logprobs(model, batch, everything_mine, s)
+        everything_mine = [i for mine in assigned for i in mine]
+        old = response_logprobs(model, batch, assigned, s)
         if ref_model is not None:
-            ref = response_logprobs(ref_model, batch, everything_mine, s)
+            ref = response_logprobs(ref_model, batch, assigned, s)
         advantages, adv_metrics = compute_advantages(batch, s, old, ref)
         out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
         total, count, worst = logprob_mismatch(batch, everything_mine, old)
         total, count = all_reduce_sum([total, count])
         out["mismatch/logprob_abs_diff_mean"] = total / max(count, 1.0)
         out["mismatch/logprob_abs_diff_max"] = all_reduce_max(worst)
-    steps = n // s.global_batch_size
     summed: dict[str, float] = {}
-    for step in range(steps):
-        global_idx = list(range(step * s.global_batch_size, (step + 1) * s.global_batch_size))
+    for global_idx, mine in zip(global_steps, assigned):
         counts = GlobalCounts(num_tokens=float(max(1, sum(batch.response_lengths[i] for i in global_idx))),
                               num_sequences=float(max(1, sum(batch.response_lengths[i] > 0 for i in global_idx))),
                               max_response_len=max(1, s.max_response_len))
-        parts = run_global_step(model, batch, global_idx[rank::world], counts, s, advantages, old, ref, world)
+        parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world)
         keys = sorted(parts)
         reduced = dict(zip(keys, all_reduce_sum([parts[k] for k in keys])))
         reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
