@@ -165,44 +165,60 @@ class TrainerState(Stateful):
     """One rank's trainer state as a DCP Stateful: model and optimizer (sharded, re-sharded on load),
     LR scheduler (replicated), and this rank's RNG streams (one key per rank)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int, rng_rank: int | None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, rank: int, rng_rank: int | None,
+                 with_rng: bool = True):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rank = rank
         self.rng_rank = rng_rank  # whose RNG to restore on load; None: keep the seeded one
+        self.with_rng = with_rng  # False for parts that share the rank's RNG (the critic)
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        state[f"rng_rank{self.rank}"] = rng_state()
+        if self.with_rng:
+            state[f"rng_rank{self.rank}"] = rng_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.rng_rank is not None:
+        if self.with_rng and self.rng_rank is not None:
             set_rng_state(state[f"rng_rank{self.rng_rank}"])
 
     def request(self) -> dict:
         """The state dict to load into: this object's own, asking for the RNG key it restores."""
         state = self.state_dict()
+        if not self.with_rng:
+            return state
         del state[f"rng_rank{self.rank}"]
         if self.rng_rank is not None:
             state[f"rng_rank{self.rng_rank}"] = b""
         return state
 
 
-def save_trainer(path: Path, model, optimizer, scheduler, rank: int) -> None:
-    """Collective: every trainer rank calls it with the same staging path."""
-    dcp.save({"train": TrainerState(model, optimizer, scheduler, rank, None)}, checkpoint_id=str(path / "train"))
+def _critic_state(critic, rank: int) -> TrainerState:
+    return TrainerState(critic.model, critic.optimizer, critic.scheduler, rank, None, with_rng=False)
 
 
-def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world_size: int) -> None:
+def save_trainer(path: Path, model, optimizer, scheduler, rank: int, critic=None) -> None:
+    """Collective: every trainer rank calls it with the same staging path (the critic, when there
+    is one, is a second Stateful part of the same checkpoint)."""
+    parts = {"train": TrainerState(model, optimizer, scheduler, rank, None)}
+    if critic is not None:
+        parts["critic"] = _critic_state(critic, rank)
+    dcp.save(parts, checkpoint_id=str(path / "train"))
+
+
+def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world_size: int, critic=None) -> None:
     """Collective. RNG streams continue exactly when the world size is unchanged; a rank that did
     not exist at save time keeps its freshly seeded RNG (nothing in training draws from it yet)."""
-    state = TrainerState(model, optimizer, scheduler, rank, rank if rank < saved_world_size else None)
-    request = {"train": state.request()}
+    parts = {"train": TrainerState(model, optimizer, scheduler, rank, rank if rank < saved_world_size else None)}
+    if critic is not None:
+        parts["critic"] = _critic_state(critic, rank)
+    request = {name: part.request() for name, part in parts.items()}
     dcp.load(request, checkpoint_id=str(path / "train"))
-    state.load_state_dict(request["train"])
+    for name, part in parts.items():
+        part.load_state_dict(request[name])
 
 
 class Checkpointer:

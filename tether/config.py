@@ -123,9 +123,11 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                 "gae"] = "grpo"
     """Advantage estimator (tether/algorithms/advantages.py): grpo, dr_grpo, gspo (GRPO's advantages;
-    pair with policy_loss gspo), rloo, reinforce_pp, reinforce_pp_baseline."""
+    pair with policy_loss gspo), rloo, reinforce_pp, reinforce_pp_baseline, gae (PPO with a critic,
+    configured in the critic section)."""
     policy_loss: str = "ppo_clip"
     """Policy loss: ppo_clip, gspo, sft, or a user's 'module:function' / 'file.py:function' taking
     (LossInputs, LossParams) and returning (loss, metrics) (tether/algorithms/losses.py)."""
@@ -173,7 +175,7 @@ class AlgorithmConfig(Section):
 
         if self.kl_in_reward_coef > 0 and self.advantage_estimator not in TOKEN_LEVEL:
             raise ValueError(f"kl_in_reward_coef > 0 needs a token-level advantage_estimator "
-                             f"({', '.join(sorted(TOKEN_LEVEL - {'gae'}))}), got {self.advantage_estimator!r}")
+                             f"({', '.join(sorted(TOKEN_LEVEL))}), got {self.advantage_estimator!r}")
         if self.rollout_is_low >= self.rollout_is_high:
             raise ValueError(f"rollout_is_low={self.rollout_is_low} must be below rollout_is_high={self.rollout_is_high}")
         if ":" not in self.policy_loss:
@@ -183,6 +185,15 @@ class AlgorithmConfig(Section):
                 raise ValueError(f"policy_loss {self.policy_loss!r} is not one of {sorted(POLICY_LOSSES)} "
                                  "nor a 'module:function' / 'file.py:function'")
         return self
+
+
+class CriticConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of the critic's own AdamW (warm-up and schedule follow train.*)."""
+    value_clip: float = Field(0.2, ge=0)
+    """Clipped value loss: a value moves at most this far from its rollout-time estimate per update."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global grad norm of the critic (0 disables)."""
 
 
 class TrainConfig(Section):
@@ -306,6 +317,8 @@ class TetherConfig(Section):
     """Advantage estimator, policy loss, KL and entropy terms."""
     train: TrainConfig = TrainConfig()
     """Optimizer, schedule and batching of the trainer."""
+    critic: CriticConfig = CriticConfig()
+    """The value model of PPO (used when algorithm.advantage_estimator is gae)."""
     eval: EvalConfig = EvalConfig()
     """Evaluation datasets and interval."""
     checkpoint: CheckpointConfig = CheckpointConfig()

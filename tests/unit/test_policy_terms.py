@@ -128,3 +128,21 @@ def test_a_user_loss_by_file_path(tmp_path):
         get_policy_loss(f"{path}:nope")
     with pytest.raises(ValueError, match="known"):
         get_policy_loss("ppo_clipp")
+
+
+def test_clipped_value_loss_against_the_formula():
+    from tether.algorithms.losses import value_loss
+
+    values = torch.tensor([[0.5, 1.0, 2.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.4, 0.2, 2.1, 0.0]])
+    returns = torch.tensor([[1.0, 1.5, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, m = value_loss(values, old, returns, mask, mask / 3, clip=0.2)
+    expected = 0.0
+    for v, o, r in ((0.5, 0.4, 1.0), (1.0, 0.2, 1.5), (2.0, 2.1, 2.0)):
+        clipped = o + max(-0.2, min(0.2, v - o))
+        expected += 0.5 * max((v - r) ** 2, (clipped - r) ** 2) / 3
+    assert loss.item() == pytest.approx(expected) and m["value_clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # the token whose clipped error is larger gets no gradient; the masked one none either
+    assert values.grad[0, 1] == 0 and values.grad[0, 3] == 0 and values.grad[0, 0] != 0

@@ -38,6 +38,7 @@ __all__ = [
     "POLICY_LOSSES",
     "ppo_clip_loss",
     "gspo_loss",
+    "value_loss",
     "sft_loss",
     "get_policy_loss",
     "policy_objective",
@@ -225,6 +226,29 @@ def sft_loss(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, flo
     logp = _masked(inp.logprobs, inp, "logprobs")
     loss = _aggregate(-logp, inp)
     return loss, {"sft_loss": loss.item()}
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, weights: Tensor,
+               clip: float) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped value loss: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``.
+
+    Aggregated with ``weights`` (global normaliser folded in). Metrics: ``value_loss``,
+    ``value_clipfrac`` (tokens where the clipped branch is the larger), ``value_mean``, all
+    weighted like the loss (additive over micro-batches).
+    """
+    zero = torch.zeros((), dtype=values.dtype)
+    live = mask != 0
+    v = torch.where(live, values, zero)
+    old = torch.where(live, old_values.detach(), zero)
+    target = torch.where(live, returns.detach(), zero)
+    clipped = old + (v - old).clamp(-clip, clip)
+    unclipped_err, clipped_err = (v - target).pow(2), (clipped - target).pow(2)
+    loss = (0.5 * torch.maximum(unclipped_err, clipped_err) * weights).sum()
+    with torch.no_grad():
+        metrics = {"value_loss": loss.item(),
+                   "value_clipfrac": ((clipped_err > unclipped_err).to(v.dtype) * weights).sum().item(),
+                   "value_mean": (v * weights).sum().item()}
+    return loss, metrics
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {

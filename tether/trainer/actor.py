@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tether.algorithms.advantages import AdvantageParams
+from tether.algorithms.advantages import NEEDS_VALUES, AdvantageParams
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
 from tether.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
+from tether.trainer.critic import Critic
 from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_tokenizer, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
@@ -60,6 +61,7 @@ class TrainActor:
             torch.use_deterministic_algorithms(True)
         self.sender: WeightSender | None = None
         self.ref_model = None
+        self.critic: Critic | None = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -91,9 +93,12 @@ class TrainActor:
             ref = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device).eval()
             ref.requires_grad_(False)
             self.ref_model = apply_fsdp(ref, self.mesh)
+        if self.cfg.algorithm.advantage_estimator in NEEDS_VALUES:
+            self.critic = Critic(self.cfg, self.device, self.mesh, total_steps)
         if load_dir:
             saved_world = read_meta(load_dir).get("train_world_size", self.world)
-            load_trainer(Path(load_dir), self.model, self.optimizer, self.scheduler, self.rank, saved_world)
+            load_trainer(Path(load_dir), self.model, self.optimizer, self.scheduler, self.rank, saved_world,
+                         self.critic)
 
     def step_settings(self, policy_loss: str | None, global_batch_size: int) -> StepSettings:
         a = self.cfg.algorithm
@@ -122,7 +127,7 @@ class TrainActor:
         self.model.train()
         settings = self.step_settings(policy_loss, global_batch_size or self.cfg.global_batch_size)
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
-                                 self.rank, self.world, self.ref_model)
+                                 self.rank, self.world, self.ref_model, self.critic)
         metrics["timing/train_s"] = time.perf_counter() - start
         if self.rank == 0 and batch.rewards is not None:
             self._log_trained(step_id, batch)
@@ -172,7 +177,7 @@ class TrainActor:
 
     # ------------------------------------------------------------ state
     def save(self, staging_dir: str) -> None:
-        save_trainer(Path(staging_dir), self.model, self.optimizer, self.scheduler, self.rank)
+        save_trainer(Path(staging_dir), self.model, self.optimizer, self.scheduler, self.rank, self.critic)
 
     def save_hf(self, out_dir: str) -> None:
         save_hf(self.model, self.tokenizer, self.cfg.model.path, out_dir, self.rank)
@@ -185,11 +190,15 @@ class TrainActor:
         self._move(self.device)
 
     def _move(self, device: str) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    state[key] = value.to(device)
+        parts = [(self.model, self.optimizer)]
+        if self.critic is not None:
+            parts.append((self.critic.model, self.critic.optimizer))
+        for model, optimizer in parts:
+            model.to(device)
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        state[key] = value.to(device)
         if device == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 

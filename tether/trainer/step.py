@@ -119,8 +119,9 @@ def padded(per_sample: dict[int, torch.Tensor], lengths: list[int]) -> torch.Ten
 
 
 def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.Tensor],
-                       ref: dict[int, torch.Tensor] | None) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-    """Per-token advantages {sample: [R]} of the whole batch (identical on every rank)."""
+                       ref: dict[int, torch.Tensor] | None, values: dict[int, torch.Tensor] | None = None):
+    """Per-token advantages {sample: [R]} of the whole batch (identical on every rank), the value
+    targets {sample: [R]} when there is a critic (else None), and metrics."""
     lengths = batch.response_lengths
     mask = padded({i: torch.ones(r) for i, r in enumerate(lengths)}, lengths)
     kl = None
@@ -128,9 +129,13 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
         # KL(policy || reference) of the rollout tokens, per token, for the penalty in the reward.
         old_all, ref_all = gather_per_sample(old), gather_per_sample(ref)
         kl = padded({i: kl_estimate(old_all[i], ref_all[i], s.kl_in_reward_type) for i in old_all}, lengths)
-    inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl)
+    if values is not None:
+        values = padded(gather_per_sample(values), lengths)
+    inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl,
+                             values=values)
     result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
-    return {i: result.advantages[i, :r] for i, r in enumerate(lengths)}, metrics
+    returns = None if result.returns is None else {i: result.returns[i, :r] for i, r in enumerate(lengths)}
+    return {i: result.advantages[i, :r] for i, r in enumerate(lengths)}, returns, metrics
 
 
 def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
@@ -204,7 +209,7 @@ def all_reduce_max(value: float) -> float:
 
 
 def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
-                   ref_model: nn.Module | None = None) -> dict[str, float]:
+                   ref_model: nn.Module | None = None, critic=None) -> dict[str, float]:
     """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics."""
     batch.validate()
     n = len(batch)
@@ -221,7 +226,8 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
         old = response_logprobs(model, batch, assigned, s)
         if ref_model is not None:
             ref = response_logprobs(ref_model, batch, assigned, s)
-        advantages, adv_metrics = compute_advantages(batch, s, old, ref)
+        values = critic.values(batch, assigned, s) if critic is not None else None
+        advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
         out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
         total, count, worst = logprob_mismatch(batch, everything_mine, old)
         total, count = all_reduce_sum([total, count])
@@ -233,10 +239,14 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
                               num_sequences=float(max(1, sum(batch.response_lengths[i] > 0 for i in global_idx))),
                               max_response_len=max(1, s.max_response_len))
         parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world)
+        if critic is not None and is_rl:
+            parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
         keys = sorted(parts)
         reduced = dict(zip(keys, all_reduce_sum([parts[k] for k in keys])))
         reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
         reduced["grad_norm"] = optimizer_step(model, optimizer, scheduler, s.grad_clip)
+        if critic is not None and is_rl:
+            reduced["critic/grad_norm"] = critic.step()
         accumulate(summed, reduced)
     out.update({f"train/{k}": v / steps for k, v in summed.items()})
     out["train/optimizer_steps"] = float(steps)

@@ -1,0 +1,85 @@
+"""PPO's critic: a value model beside the policy on the same ranks, with its own optimizer.
+
+The value model is the policy's checkpoint with a one-output head per position (HF's
+``AutoModelForTokenClassification``, head initialised to zero so the first values are 0), sharded
+with FSDP2 like the policy. V at position j is the value of the state that ends with token j:
+the same positions that score response tokens in the policy, so values line up with log-probs.
+
+Per rollout: ``values`` (no grad) before the update feeds GAE; then each optimizer step
+accumulates the clipped value loss over the same micro-batches as the policy and steps the
+critic's own AdamW and schedule. It is checkpointed with the trainer (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
+from tether.algorithms.losses import value_loss
+from tether.batch import MicroBatch, TrainBatch
+from tether.config import TetherConfig
+from tether.trainer.model import DTYPES, apply_fsdp
+from tether.trainer.optim import build_optimizer, build_scheduler
+from tether.trainer.step import StepSettings, micro_batches, optimizer_step, place
+
+
+def load_value_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # values are regression targets: no dropout noise
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=DTYPES[dtype],
+                                                            attn_implementation="sdpa")
+    head = model.score
+    nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
+    return model.to(device)
+
+
+class Critic:
+    def __init__(self, cfg: TetherConfig, device: str, mesh, total_steps: int):
+        model = load_value_model(cfg.model.path, cfg.model.dtype, device)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = apply_fsdp(model, mesh)
+        train = cfg.train.model_copy(update={"lr": cfg.critic.lr, "min_lr": min(cfg.train.min_lr, cfg.critic.lr)})
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = build_scheduler(self.optimizer, train, total_steps)
+        self.value_clip = cfg.critic.value_clip
+        self.grad_clip = cfg.critic.grad_clip
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """[B, L-1]: V at each position that scores a next token."""
+        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                         use_cache=False)
+        return out.logits[..., 0][:, :-1].float()
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, steps: list[list[int]], s: StepSettings) -> dict[int, torch.Tensor]:
+        """{sample: [R]} values of this rank's samples, batched as the policy's passes are."""
+        self.model.eval()
+        out: dict[int, torch.Tensor] = {}
+        for mine in steps:
+            for mb in micro_batches(batch, mine, s):
+                values = self.forward(mb)
+                for (row, start), i in zip(mb.spans, mb.indices):
+                    out[i] = values[row, start : start + batch.response_lengths[i]].clone()
+        return out
+
+    def backward(self, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
+                 old_values: dict[int, torch.Tensor], returns: dict[int, torch.Tensor], world: int) -> dict[str, float]:
+        """Accumulate the clipped value loss (token mean over the global batch) on this rank."""
+        self.model.train()
+        metrics: dict[str, float] = {}
+        for mb in micro_batches(batch, mine, s):
+            weights = aggregation_weights("token_mean", mb.response_mask, mb.seq_index, counts)
+            loss, parts = value_loss(self.forward(mb), place(mb, batch, old_values), place(mb, batch, returns),
+                                     mb.response_mask, weights, self.value_clip)
+            (loss * world).backward()  # FSDP averages over ranks; the normaliser is already global
+            for key, value in parts.items():
+                metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value
+        return metrics
+
+    def step(self) -> float:
+        return optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
