@@ -92,6 +92,7 @@ ESTIMATORS = {  # estimator -> the algorithm section that exercises it
     "rloo": {"dual_clip_c": 3.0, "rollout_correction": "token_clip"},
     "reinforce_pp": {"kl_in_reward_coef": 0.01, "gamma": 0.99},
     "reinforce_pp_baseline": {"kl_in_reward_coef": 0.01, "rollout_correction": "sequence_mask"},
+    "gae": {"lam": 0.95},  # PPO with the critic (also trained, saved and resumed below)
 }
 
 
