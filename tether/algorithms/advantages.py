@@ -213,9 +213,11 @@ def gae_advantages(inp: AdvantageInputs, p: AdvantageParams):
         # Padding after a response keeps next_value and running at the response's own end (0).
         next_value = torch.where(live > 0, values[:, t], next_value)
     returns = (adv + values) * mask
+    whitened = whiten(adv, mask, p.eps)
     count = max(float(mask.sum()), 1.0)
-    metrics = {"return_mean": float(returns.sum()) / count, "value_mean": float(values.sum()) / count}
-    return Advantages(whiten(adv, mask, p.eps), returns), metrics
+    metrics = {"return_mean": float(returns.sum()) / count, "value_mean": float(values.sum()) / count,
+               "adv_mean": float(whitened.sum()) / count}
+    return Advantages(whitened, returns), metrics
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
