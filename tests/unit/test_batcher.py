@@ -18,13 +18,8 @@ from tether.trainer.step import StepSettings, response_logprobs
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = build_tiny_model(tmp_path_factory.mktemp("m"), build_char_tokenizer(), hidden_size=32, num_layers=2,
-                            num_heads=4, num_kv_heads=2, intermediate_size=64, max_positions=128)
-    yield load_model(str(path), "float32").eval()
-    torch.set_num_threads(threads)
+def model(small_model):
+    return small_model
 
 
 def run_until_done(batcher: ContinuousBatcher, arrivals: dict[int, list]) -> dict:

@@ -9,8 +9,6 @@ from tether.batch import TrainBatch
 from tether.engine.batcher import ContinuousBatcher
 from tether.engine.prefix_cache import PrefixCache
 from tether.engine.sampling import SamplingParams
-from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.trainer.model import load_model
 from tether.trainer.step import StepSettings, response_logprobs
 
 
@@ -58,13 +56,8 @@ def test_a_zero_budget_disables_it():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = build_tiny_model(tmp_path_factory.mktemp("m"), build_char_tokenizer(), hidden_size=32, num_layers=2,
-                            num_heads=4, num_kv_heads=2, intermediate_size=64, max_positions=256)
-    yield load_model(str(path), "float32").eval()
-    torch.set_num_threads(threads)
+def model(small_model):
+    return small_model
 
 
 def serve(batcher: ContinuousBatcher, requests: list[tuple[list[int], SamplingParams, int]]) -> list:
