@@ -234,8 +234,8 @@ class EngineCore:
                     abort_rows = {i for i, s in enumerate(self.batcher.batch.seqs) if s.key.rid in self._aborted}
                 finished += self.batcher.decode_step(abort_rows)
         except Exception as exc:  # a failed step fails the requests in it (newcomers too), not the server
-            running = [s.key for s in self.batcher.abort_all()]
-            self._fail(new + [r for r in running if r not in new], exc)
+            newcomers = {r.rid for r in new}
+            self._fail(new + [s.key for s in self.batcher.abort_all() if s.key.rid not in newcomers], exc)
             return
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self.batcher.batch) + len(finished))
         self.stats["prefills"] += 1 if new else 0
