@@ -40,12 +40,19 @@ def segment_sum(x: Tensor, seq_index: Tensor, mask: Tensor, num_segments: int) -
     return torch.zeros(num_segments, dtype=x.dtype, device=x.device).index_add(0, seq_index[keep], x[keep])
 
 
+def _num_segments(seq_index: Tensor) -> int:
+    return int(seq_index.max()) + 1 if seq_index.numel() else 0
+
+
+def _lengths(mask: Tensor, seq_index: Tensor) -> Tensor:
+    """[B, L]: each token gets the number of masked tokens in its sequence."""
+    return segment_sum(mask.float(), seq_index, mask, _num_segments(seq_index))[seq_index]
+
+
 def segment_mean(x: Tensor, seq_index: Tensor, mask: Tensor) -> Tensor:
     """[B, L]: each token gets the mean of x over its sequence's masked tokens (0 outside the mask)."""
-    num = int(seq_index.max()) + 1 if seq_index.numel() else 0
-    sums = segment_sum(x, seq_index, mask, num)
-    counts = segment_sum(mask.to(x.dtype), seq_index, mask, num).clamp(min=1)
-    return (sums / counts)[seq_index] * (mask != 0)
+    sums = segment_sum(x, seq_index, mask, _num_segments(seq_index))[seq_index]
+    return sums / _lengths(mask, seq_index).to(x.dtype).clamp(min=1) * (mask != 0)
 
 
 def _token_mean(mask: Tensor, seq_index: Tensor, c: GlobalCounts) -> Tensor:
@@ -59,12 +66,6 @@ def _seq_mean_token_mean(mask: Tensor, seq_index: Tensor, c: GlobalCounts) -> Te
 
 def _seq_mean_token_sum_norm(mask: Tensor, seq_index: Tensor, c: GlobalCounts) -> Tensor:
     return mask / (c.max_response_len * c.num_sequences)
-
-
-def _lengths(mask: Tensor, seq_index: Tensor) -> Tensor:
-    """[B, L]: each token gets the number of masked tokens in its sequence."""
-    num = int(seq_index.max()) + 1 if seq_index.numel() else 0
-    return segment_sum(mask, seq_index, mask, num)[seq_index]
 
 
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, GlobalCounts], Tensor]] = {
