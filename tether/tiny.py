@@ -1,8 +1,14 @@
 """Tiny models and tokenizers built offline, for tests, recipes and benchmarks.
 
-A character-level tokenizer (built with the `tokenizers` library: every character is one token,
-so token counts are easy to predict) and a small Qwen2-architecture model with random weights,
-saved as an ordinary HF directory that every part of tether loads by path.
+A character-level tokenizer (every character is one token, so token counts are easy to predict) and
+a small Qwen2-architecture model with random weights, saved as an ordinary HF directory that every
+part of tether loads by path.
+
+The tokenizer is a Qwen2Tokenizer (byte-level BPE with no merges): next to a Qwen2 config,
+`AutoTokenizer.from_pretrained` always builds a Qwen2Tokenizer from the saved vocabulary, so any
+other kind of tokenizer saved there would come back changed (a word-level one loses its spaces).
+Built as what it will be loaded as, the saved tokenizer encodes and decodes exactly like the one in
+memory.
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -28,6 +34,10 @@ CHARS = (
     + "+-*/=?.,:;!'\"()[]{}<>\\$%^_|&#@~`"
 )
 
+# Byte-level BPE spells the two whitespace characters with printable stand-ins (GPT-2's byte map);
+# every other character of CHARS is printable ASCII and stands for itself.
+_BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
+
 # Role-prefixed plain-text template: every character stays in the vocabulary, so
 # chat-formatted prompts tokenize without unknown tokens.
 CHAT_TEMPLATE = (
@@ -40,33 +50,23 @@ CHAT_TEMPLATE = (
 
 def build_char_tokenizer(
     out_dir: str | Path | None = None, chat_template: bool = True
-) -> PreTrainedTokenizerFast:
-    """Build a character-level fast tokenizer (pad "<pad>", eos "<eos>").
+) -> PreTrainedTokenizerBase:
+    """Build a character-level tokenizer (pad "<pad>", eos "<eos>", unk "<unk>").
+
+    Token ids: the three special tokens, then CHARS in order. Characters outside CHARS are
+    dropped by the byte-level model (the data round-trip check at start-up reports such rows).
 
     Args:
         out_dir: if given, the tokenizer is saved there (save_pretrained) so code
             that loads tokenizers by path can be tested.
         chat_template: set a simple role-prefixed jinja chat template.
-
-    Returns:
-        A PreTrainedTokenizerFast where each character in CHARS is one token.
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
-        vocab.setdefault(ch, len(vocab))
-
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # Isolate every single character (including newline) as its own pre-token.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    # Fuse joins tokens without the separator spaces WordLevel would insert.
-    backend.decoder = decoders.Fuse()
-
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-    )
+        vocab.setdefault(_BYTE_LEVEL.get(ch, ch), len(vocab))
+    # No merges: BPE leaves every byte its own token, which is one character for all of CHARS.
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=UNK_TOKEN, eos_token=EOS_TOKEN,
+                               pad_token=PAD_TOKEN)
     if chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
     if out_dir is not None:
@@ -74,7 +74,7 @@ def build_char_tokenizer(
     return tokenizer
 
 
-def build_tiny_model(out_dir: str | Path, tokenizer: PreTrainedTokenizerFast, *, hidden_size: int = 64,
+def build_tiny_model(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, *, hidden_size: int = 64,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                      max_positions: int = 256, seed: int = 0) -> Path:
     """A randomly initialised Qwen2 causal LM plus ``tokenizer``, saved as an HF directory."""
