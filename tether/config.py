@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -73,10 +73,27 @@ class DataConfig(Section):
     """Row key of an optional dict passed to the reward."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (adds the generation prompt)."""
+    prompt_template: str | None = None
+    """Format each prompt with this str.format template before the chat template, e.g. "{prompt} =";
+    {prompt} is the prompt field and any other {key} is that field of the row. Literal braces are
+    doubled ("\\boxed{{}}"). With chat messages it formats the last user message. None: as is."""
+    response_prefix: str = ""
+    """Text appended after the (chat-formatted) prompt, so every response starts after it (e.g. "Answer:");
+    it is part of the prompt tokens, not of the response the reward sees."""
     max_prompt_len: int | None = Field(None, ge=1)
     """Drop prompts longer than this many tokens (counted and reported)."""
     shuffle: bool = True
     """Shuffle prompts each epoch, deterministically from (seed, epoch)."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, template: str | None) -> str | None:
+        if template is not None:
+            from tether.rollout.prompt_format import template_fields
+
+            if not template_fields(template):
+                raise ValueError(f"{template!r} has no field: add {{prompt}} where the prompt goes")
+        return template
 
 
 class RolloutConfig(Section):
@@ -222,6 +239,10 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0: no clipping, the norm is still logged)."""
+    skip_nonfinite_steps: int = Field(0, ge=0)
+    """An optimizer step whose loss or gradient norm is NaN/inf is never applied. 0: the run stops
+    with an error naming the rollout, the loss term and the first non-finite tensor; N > 0: such a
+    step is skipped with a warning, and the run stops when more than N come in a row."""
 
 
 class SamplingConfig(Section):

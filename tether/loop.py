@@ -67,6 +67,15 @@ class LoopPlan:
         return at_interval or epoch_end or rollout_id + 1 == self.num_rollout
 
 
+def merge(metrics: dict, new: dict) -> dict:
+    """``metrics.update(new)``, except that the "warnings" lists of both are kept (tracker.WARNINGS)."""
+    warnings = metrics.get("warnings", []) + new.get("warnings", [])
+    metrics.update(new)
+    if warnings:
+        metrics["warnings"] = warnings
+    return metrics
+
+
 def sync_weights(trainer: Trainer, rollout: Rollout, version: int, offload: bool) -> dict[str, float]:
     """Engines get the trainer's weights; with offload the trainer steps aside first."""
     if offload:
@@ -86,7 +95,7 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
         if plan.has_eval and plan.eval_interval is not None:
             # The baseline: how the starting policy scores (step 0, before any update). A resumed
             # run does not repeat it: its baseline is already in the metrics file.
-            first.update(rollout.eval(0))
+            merge(first, rollout.eval(0))
         first["timing/weight_sync_s"] = first.pop("weight_sync/seconds", 0.0)
         tracker.log(0, first, total=plan.num_rollout)
     elif plan.redo_eval and plan.eval_due(plan.start - 1):
@@ -97,7 +106,7 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
         if plan.offload:
             rollout.offload([WEIGHTS, KV_CACHE])
             trainer.onload()
-        metrics.update(trainer.train(rollout_id, batch_ref))
+        merge(metrics, trainer.train(rollout_id, batch_ref))
         if plan.save_due(rollout_id):
             t_save = time.perf_counter()
             staging = checkpointer.stage(rollout_id)
@@ -107,13 +116,14 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
             metrics["timing/save_s"] = time.perf_counter() - t_save
             # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
             # must not lose the row of a rollout that a resume will not redo.
-            checkpointer.commit(rollout_id, {"step": rollout_id + 1, **metrics})
+            checkpointer.commit(rollout_id, {"step": rollout_id + 1,
+                                             **{k: v for k, v in metrics.items() if k != "warnings"}})
             crash_point("committed", rollout_id)
         sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
         metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
         metrics.update(sync)
         if plan.eval_due(rollout_id):
-            metrics.update(rollout.eval(rollout_id + 1))
+            merge(metrics, rollout.eval(rollout_id + 1))
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         # Step k+1 = the policy after k+1 updates, so eval at step 0 is the starting policy.
         tracker.log(rollout_id + 1, metrics, total=plan.num_rollout)

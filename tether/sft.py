@@ -10,15 +10,22 @@ import ray
 from tether.batch import TrainBatch
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
-from tether.rollout.data_source import DatasetError, encode_prompt, get_prompt, read_jsonl
+from tether.rollout.data_source import read_jsonl
+from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
+                                          ROUND_TRIP_ROWS, render_prompt, round_trip_problems)
 from tether.train import make_tracker
 from tether.trainer.group import TrainerGroup
 from tether.trainer.model import load_tokenizer
 
 
-def load_sft_rows(cfg: TetherConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) per row; errors name the file, the line and the field."""
+def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + eos) per row; errors name the file, the line and the field.
+
+    Prompts are formatted like RL prompts (data.prompt_template, chat template, response prefix).
+    ``texts``, when given, receives (where, "prompt" | "response", text) of every row.
+    """
     s, d = cfg.sft, cfg.data
+    fmt = PromptFormat.from_config(d)
     if s.path is None:
         raise DatasetError("sft.path is required for `tether sft` (a JSONL file with prompt and response)")
     path = Path(s.path)
@@ -27,13 +34,16 @@ def load_sft_rows(cfg: TetherConfig, tokenizer) -> list[tuple[list[int], list[in
     rows = []
     for line, obj in read_jsonl(path):
         where = f"{path}:{line}"
-        prompt = get_prompt(obj, where, s.prompt_key, d.apply_chat_template)
+        prompt = fill_template(fmt, get_prompt(obj, where, s.prompt_key, d.apply_chat_template), obj, where,
+                               s.prompt_key)
         response = obj.get(s.response_key)
         if not isinstance(response, str):
             raise DatasetError(f"{where}: field '{s.response_key}' must be a string, got {type(response).__name__}")
-        prompt_ids = encode_prompt(tokenizer, prompt, d.apply_chat_template)
+        text = render_prompt(tokenizer, prompt, fmt)
+        if texts is not None:
+            texts += [(where, "prompt", text), (where, "response", response)]
         # The eos is a target too: the model must learn where to stop.
-        response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [tokenizer.eos_token_id]
+        prompt_ids, response_ids = encode_text(tokenizer, text), encode_text(tokenizer, response) + [tokenizer.eos_token_id]
         rows.append((prompt_ids, response_ids))
     if not rows:
         raise DatasetError(f"{path}: no rows")
@@ -52,7 +62,9 @@ def batches(rows: list, batch_size: int, epochs: int, seed: int):
 
 def sft(cfg: TetherConfig) -> dict:
     tokenizer = load_tokenizer(cfg.model.path)
-    rows = load_sft_rows(cfg, tokenizer)
+    texts: list = []
+    rows = load_sft_rows(cfg, tokenizer, texts)
+    text_warnings = round_trip_problems(tokenizer, texts[: 2 * ROUND_TRIP_ROWS])
     bs = cfg.sft.batch_size
     if bs % cfg.cluster.num_train_actors:
         raise ValueError(f"sft.batch_size={bs} must be divisible by cluster.num_train_actors={cfg.cluster.num_train_actors}")
@@ -66,6 +78,8 @@ def sft(cfg: TetherConfig) -> dict:
         trainer.init(total, with_ref=False, load_dir=None)
         tracker = make_tracker(cfg, step_label="sft step")
         with tracker:
+            for text in text_warnings:
+                tracker.warn(text)
             bar = tracker.progress(total, "sft steps")
             for step, batch in enumerate(batches(rows, bs, cfg.sft.num_epoch, cfg.seed)):
                 metrics = trainer.train(step, ray.put(batch), policy_loss="sft", global_batch_size=bs)

@@ -102,6 +102,8 @@ def train(cfg: TetherConfig) -> dict:
         print(f"[tether] {rollout.info['train_rows']} prompts, {per_epoch} rollouts per epoch, "
               f"rollouts {start}..{num_rollout - 1}", file=sys.stderr)
         with tracker:
+            for warning in rollout.info["warnings"]:
+                tracker.warn(warning)
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
             run_loop(plan, trainer, rollout, checkpointer, tracker, progress=bar)
             if cfg.checkpoint.export_hf:

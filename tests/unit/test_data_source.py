@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tether.tiny import build_char_tokenizer
+from tether.rollout.prompt_format import PromptFormat
 from tether.rollout.data_source import DataSource, DatasetError, PromptRow, load_prompt_rows
 from tether.rollout.sample import Sample
 
@@ -64,7 +65,7 @@ def test_custom_keys_and_blank_lines(tmp_path, tok):
 def test_chat_template_string_and_messages(tmp_path, tok):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2*3"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hello"}, {"prompt": messages}])
-    rows, _ = load_prompt_rows(path, tok, apply_chat_template=True)
+    rows, _ = load_prompt_rows(path, tok, fmt=PromptFormat(apply_chat_template=True))
     assert tok.decode(rows[0].prompt_ids) == "user: hello\nassistant: "
     assert tok.decode(rows[1].prompt_ids) == "system: be brief\nuser: 2*3\nassistant: "
     assert rows[1].prompt == messages  # raw prompt kept as in the data
@@ -81,7 +82,7 @@ def test_messages_without_chat_template_is_error(tmp_path, tok):
 def test_tokenizer_without_template_is_error(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}])
     with pytest.raises(DatasetError, match="chat_template"):
-        load_prompt_rows(path, build_char_tokenizer(chat_template=False), apply_chat_template=True)
+        load_prompt_rows(path, build_char_tokenizer(chat_template=False), fmt=PromptFormat(apply_chat_template=True))
 
 
 def test_length_filtering_counts_and_reindexes(tmp_path, tok):

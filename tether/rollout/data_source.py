@@ -16,11 +16,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
+                                          render_prompt)
 from tether.rollout.sample import Sample
 
+PLAIN = PromptFormat()  # the prompt field as it is
 
-class DatasetError(ValueError):
-    """A prompt dataset is missing, malformed, or unusable."""
+__all__ = ["DataSource", "DatasetError", "PromptRow", "load_prompt_rows", "read_jsonl"]
 
 
 @dataclass
@@ -34,6 +36,7 @@ class PromptRow:
         label: reference answer, or None when the row has no label.
         metadata: per-row metadata dict ({} when absent).
         prompt_ids: token ids of the prompt as fed to the engine.
+        text: the rendered prompt that was encoded (template, chat template, response prefix).
     """
 
     index: int
@@ -42,6 +45,7 @@ class PromptRow:
     label: Any
     metadata: dict
     prompt_ids: list[int]
+    text: str = ""
 
 
 def load_prompt_rows(
@@ -51,25 +55,21 @@ def load_prompt_rows(
     prompt_key: str = "prompt",
     label_key: str = "label",
     metadata_key: str = "metadata",
-    apply_chat_template: bool = False,
+    fmt: PromptFormat = PLAIN,
     max_prompt_len: int | None = None,
 ) -> tuple[list[PromptRow], int]:
     """Load and tokenize a JSONL prompt file.
 
-    Tokenization: with `apply_chat_template`, the prompt (a string becomes a single
-    user message) is rendered with `tokenizer.apply_chat_template(...,
-    add_generation_prompt=True, tokenize=False)` and then encoded. In both modes the
-    text is encoded with `add_special_tokens=False`: a chat template already writes
-    its own special tokens, and for raw strings the data is taken verbatim (put a
-    BOS in the text if the model needs one). A chat-message prompt requires
-    `apply_chat_template=True`.
+    Each prompt is formatted by `fmt` (tether/rollout/prompt_format.py: template, chat template,
+    response prefix) and encoded with `add_special_tokens=False`. A chat-message prompt requires
+    `fmt.apply_chat_template`.
 
     Args:
         path: JSONL file.
         tokenizer: a Hugging Face tokenizer.
         prompt_key, label_key, metadata_key: field names in each JSON object. A
             missing label gives None; a missing (or null) metadata gives {}.
-        apply_chat_template: format prompts with the tokenizer's chat template.
+        fmt: how a row becomes the text the engine sees.
         max_prompt_len: rows whose prompt has more tokens than this are dropped.
 
     Returns:
@@ -82,7 +82,7 @@ def load_prompt_rows(
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: prompt dataset file not found")
-    if apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
+    if fmt.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
         raise DatasetError(
             f"{path}: apply_chat_template is set but the tokenizer has no chat_template"
         )
@@ -93,15 +93,16 @@ def load_prompt_rows(
     for line_no, obj in read_jsonl(path):
         num_read += 1
         where = f"{path}:{line_no}"
-        prompt = get_prompt(obj, where, prompt_key, apply_chat_template)
+        prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
         metadata = _get_metadata(obj, where, metadata_key)
-        prompt_ids = encode_prompt(tokenizer, prompt, apply_chat_template)
+        text = render_prompt(tokenizer, fill_template(fmt, prompt, obj, where, prompt_key), fmt)
+        prompt_ids = encode_text(tokenizer, text)
         if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
             num_filtered += 1
             continue
         rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt,
                               label=obj.get(label_key), metadata=metadata,
-                              prompt_ids=prompt_ids))
+                              prompt_ids=prompt_ids, text=text))
 
     if num_read == 0:
         raise DatasetError(f"{path}: prompt dataset contains no rows")
@@ -132,62 +133,14 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield line_no, obj
 
 
-def get_prompt(
-    obj: dict, where: str, prompt_key: str, apply_chat_template: bool
-) -> str | list[dict]:
-    """Extract and validate the prompt field of one row."""
-    if prompt_key not in obj:
-        raise DatasetError(
-            f"{where}: missing prompt key '{prompt_key}'; keys present: {sorted(obj)}"
-        )
-    prompt = obj[prompt_key]
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list):
-        raise DatasetError(
-            f"{where}: field '{prompt_key}' must be a string or a list of chat "
-            f"messages, got {type(prompt).__name__}"
-        )
-    for i, msg in enumerate(prompt):
-        valid = isinstance(msg, dict) and isinstance(msg.get("role"), str) and "content" in msg
-        if not valid:
-            raise DatasetError(
-                f"{where}: field '{prompt_key}'[{i}] must be an object with "
-                f"'role' (string) and 'content'"
-            )
-    if not apply_chat_template:
-        raise DatasetError(
-            f"{where}: field '{prompt_key}' is a list of chat messages, which "
-            f"requires apply_chat_template=True"
-        )
-    return prompt
-
-
 def _get_metadata(obj: dict, where: str, metadata_key: str) -> dict:
     """Extract the metadata dict of one row ({} when absent or null)."""
     metadata = obj.get(metadata_key)
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
-        raise DatasetError(
-            f"{where}: field '{metadata_key}' must be a JSON object, "
-            f"got {type(metadata).__name__}"
-        )
+        raise DatasetError(f"{where}: field '{metadata_key}' must be a JSON object, got {type(metadata).__name__}")
     return metadata
-
-
-def encode_prompt(
-    tokenizer: Any, prompt: str | list[dict], apply_chat_template: bool
-) -> list[int]:
-    """Render (if chat) and tokenize one prompt without adding special tokens."""
-    if apply_chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-    else:
-        text = prompt
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class DataSource:

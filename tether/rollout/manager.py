@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from tether.batch import TrainBatch
@@ -18,7 +20,9 @@ from tether.engine.sampling import SamplingParams
 from tether.rewards import compute_rewards, load_reward_fn
 from tether.rewards.shaping import apply_overlong_penalty
 from tether.rollout.data_source import DataSource, PromptRow, load_prompt_rows
+from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
+from tether.rollout.health import RolloutHealth, answer_counts
 from tether.rollout.sample import Sample
 from tether.trainer.model import load_tokenizer
 
@@ -61,6 +65,17 @@ class EvalSet:
         self.reward_fn = load_reward_fn(reward_spec)
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_response_len)
+        self._constant_scores: dict[str, float] = {}
+
+    def constant_answer_score(self, samples: list[Sample], candidates: list[str]) -> tuple[str, float]:
+        """The best score one fixed answer given to every prompt would get (the answer, its score):
+        what a run that collapsed onto a single answer scores, for comparison with the real score."""
+        for answer in candidates:
+            if answer not in self._constant_scores:
+                copies = [replace(s, response_text=answer, metadata=dict(s.metadata)) for s in samples]
+                self._constant_scores[answer] = statistics.fmean(
+                    compute_rewards(self.reward_fn, copies, self.reward_spec))
+        return max(((a, self._constant_scores[a]) for a in candidates), key=lambda item: item[1])
 
     def samples(self) -> list[Sample]:
         return [
@@ -76,7 +91,7 @@ class RolloutManager:
         d, r = self.cfg.data, self.cfg.rollout
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         keys = dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                    apply_chat_template=d.apply_chat_template, max_prompt_len=d.max_prompt_len)
+                    fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
         if d.path is None:
             raise ValueError("data.path is required for RL training (a JSONL file of prompts)")
         rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
@@ -89,13 +104,23 @@ class RolloutManager:
         self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0], e.reward or r.reward)
                           for e in self.cfg.eval.datasets]
         self.samples_dir = Path(self.cfg.output_dir) / "rollouts"
+        self.health = RolloutHealth(r.n_samples_per_prompt)
 
     def num_rollout_per_epoch(self) -> int:
         return self.data.num_rollout_per_epoch
 
     def data_info(self) -> dict:
         return {"train_rows": len(self.data.rows), "filtered_long_prompts": self.filtered,
-                "eval_rows": {e.cfg.name: len(e.rows) for e in self.eval_sets}}
+                "eval_rows": {e.cfg.name: len(e.rows) for e in self.eval_sets}, "warnings": self._check_text()}
+
+    def _check_text(self) -> list[str]:
+        """Warnings for prompts and labels that the tokenizer does not give back as they are."""
+        paths = [self.cfg.data.path, *(e.cfg.path for e in self.eval_sets)]
+        items = [(f"{path}:{row.line}", what, text)
+                 for path, rows in zip(paths, [self.data.rows, *(e.rows for e in self.eval_sets)])
+                 for row in rows[:ROUND_TRIP_ROWS]
+                 for what, text in (("prompt", row.text), ("label", row.label)) if isinstance(text, str)]
+        return round_trip_problems(self.tokenizer, items)
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """Samples for one rollout, scored. Called with num_returns=2: the batch stays in the object store."""
@@ -111,12 +136,15 @@ class RolloutManager:
                 samples, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
         metrics["timing/reward_s"] = time.perf_counter() - start
         metrics.update(rollout_metrics(samples))
+        health, metrics["warnings"] = self.health.after_rollout(rollout_id, samples)
+        metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
         return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
 
-    def eval(self, rollout_id: int) -> dict[str, float]:
-        metrics: dict[str, float] = {}
+    def eval(self, rollout_id: int) -> dict:
+        """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed)."""
+        metrics: dict = {"warnings": []}
         start = time.perf_counter()
         for k, eval_set in enumerate(self.eval_sets):
             name = eval_set.cfg.name
@@ -124,9 +152,18 @@ class RolloutManager:
             self.fleet.generate(samples, eval_set.params, eval_set.cfg.n_samples_per_prompt,
                                 self._seed(rollout_id, k + 1), f"eval {name} at rollout {rollout_id}")
             rewards = compute_rewards(eval_set.reward_fn, samples, eval_set.reward_spec)
-            metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
+            score = metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+            answers = answer_counts(samples)
+            labels = [str(s.label) for s in samples if s.label is not None]
+            candidates = [a for a, _ in answers.most_common(3)] + [a for a, _ in Counter(labels).most_common(3)]
+            _, constant = eval_set.constant_answer_score(samples, list(dict.fromkeys(candidates)))
+            metrics[f"eval/{name}/constant_answer_score"] = constant
+            health, warnings = self.health.after_eval(name, samples, score, constant)
+            metrics.update(health)
+            metrics["warnings"] += warnings
             self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
+            self._dump_answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
@@ -139,6 +176,14 @@ class RolloutManager:
         with open(self.samples_dir / name, "w") as f:
             for s in samples:
                 f.write(json.dumps(s.to_dict()) + "\n")
+
+    def _dump_answers(self, samples: list[Sample], answers: Counter, name: str) -> None:
+        """Per-answer counts and mean rewards of one eval, most common first."""
+        rewards: dict[str, list[float]] = {}
+        for s in samples:
+            rewards.setdefault(s.response_text.strip(), []).append(float(s.reward))
+        rows = [{"answer": a, "count": c, "mean_reward": statistics.fmean(rewards[a])} for a, c in answers.most_common()]
+        (self.samples_dir / name).write_text(json.dumps(rows, indent=1) + "\n")
 
     # ------------------------------------------------------------ state and memory
     def save_state(self, ckpt_dir: str) -> None:

@@ -176,6 +176,17 @@ def _summary_sections(summary: Mapping[str, Any]) -> list[list[str]]:
         rows += [[ds, _cell(b.get("score")), _cell(b.get("step"))] for ds, b in best.items()]
         sections.append(_table(rows))
 
+    warnings: list[Mapping[str, Any]] = summary.get("warnings") or []
+    if warnings:
+        lines = [f"WARNINGS ({len(warnings)}); the full texts are in summary.json"]
+        for w in warnings[:8]:
+            first = str(w.get("message", "")).splitlines()[0]
+            at = f"step {w['step']}: " if w.get("step") is not None else ""
+            lines.append(_clip(f"  {at}{first}", 110))
+        if len(warnings) > 8:
+            lines.append(f"  ... and {len(warnings) - 8} more")
+        sections.append(lines)
+
     footer = []
     if summary.get("first_step") is not None:
         footer.append(
@@ -191,6 +202,17 @@ def _summary_sections(summary: Mapping[str, Any]) -> list[list[str]]:
     if footer:
         sections.append(footer)
     return sections
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_warning(step: int | None, message: str, label: str = "rollout") -> str:
+    """A warning as a block that stands out between the per-rollout lines."""
+    at = f" at {label} {step}" if step is not None else ""
+    body = "\n".join(f"!!   {line}" for line in message.splitlines())
+    return f"!! WARNING{at}:\n{body}"
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:

@@ -19,10 +19,13 @@ from typing import Any, Mapping
 
 from tqdm import tqdm
 
-from tether.tracking.console import format_rollout_line, format_summary
+from tether.tracking.console import format_rollout_line, format_summary, format_warning
 from tether.tracking.plot import plot_rows, read_metrics
 
 _RESERVED_KEYS = ("step", "time")
+WARNINGS = "warnings"
+"""A metrics key whose value is a list of warning texts: ``log`` passes them to ``warn`` instead of
+the sinks, so any part that reports metrics can raise a warning the same way."""
 _SUMMARY_KEYS = ("rollout/reward_mean", "rollout/response_len_mean")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -119,6 +122,7 @@ class Tracker:
         self._total: int | None = None
         self._bars: list[tqdm] = []
         self._finished: dict[str, Any] | None = None
+        self._warnings: list[dict[str, Any]] = []
         # Import wandb before opening any file so a missing extra fails fast and clean.
         wandb_module = _import_wandb() if wandb else None
         self._write_config(config)
@@ -178,7 +182,9 @@ class Tracker:
         clash = [k for k in _RESERVED_KEYS if k in metrics]
         if clash:
             raise ValueError(f"metric names {clash} are reserved by the tracker")
-        values = {k: _to_scalar(k, v) for k, v in metrics.items()}
+        for message in metrics.get(WARNINGS) or ():
+            self.warn(message, step)
+        values = {k: _to_scalar(k, v) for k, v in metrics.items() if k != WARNINGS}
         row = {"step": int(step), "time": time.time(),
                **{k: _json_safe(v) for k, v in values.items()}}
         if self._jsonl is None:
@@ -194,6 +200,16 @@ class Tracker:
         if self.console:
             total = total if total is not None else self._total
             self._echo(format_rollout_line(int(step), total, values, self.step_label))
+
+    def warn(self, message: str, step: int | None = None) -> None:
+        """Print ``message`` so that it stands out (also when the console lines are off) and keep it
+        for the summary: a run that cannot learn must say so, not just print zeros."""
+        self._warnings.append({"step": step, "message": message})
+        tqdm.write(format_warning(step, message, self.step_label), file=sys.stderr)
+
+    @property
+    def warnings(self) -> list[dict[str, Any]]:
+        return list(self._warnings)
 
     def _echo(self, line: str) -> None:
         # tqdm.write clears and redraws any live progress bar (ours or another
@@ -252,6 +268,7 @@ class Tracker:
             "elapsed_s": time.time() - self._start,
             "metrics": metrics,
             "best_eval": best_eval,
+            "warnings": list(self._warnings),
         }
 
     def finish(self, *, exit_code: int = 0) -> dict[str, Any]:

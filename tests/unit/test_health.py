@@ -1,0 +1,75 @@
+"""Warnings for runs that cannot learn: each fires on a constructed run, none on a healthy one."""
+
+from __future__ import annotations
+
+import random
+
+from tether.rollout.health import RolloutHealth
+from tether.rollout.sample import Sample
+
+
+def samples(rewards: list[float], group: int = 4, finish: str = "stop", logprob: float = -0.5,
+            texts: list[str] | None = None) -> list[Sample]:
+    out = []
+    for i, r in enumerate(rewards):
+        text = texts[i] if texts else str(i)
+        out.append(Sample(prompt_index=i // group, sample_index=i % group, prompt=f"add {i} 1 =", label="x y",
+                          metadata={}, prompt_ids=[1], response_ids=[5] * 3, response_logprobs=[logprob] * 3,
+                          response_text=text, finish_reason=finish, reward=r))
+    return out
+
+
+def healthy(rng: random.Random) -> list[Sample]:
+    return samples([float(rng.random() < 0.5) for _ in range(32)])
+
+
+def test_first_rollout_constant_reward_names_the_reward_function():
+    health = RolloutHealth(4)
+    metrics, warnings = health.after_rollout(0, samples([0.0] * 16))
+    assert len(warnings) == 1 and "reward function returned 0.0" in warnings[0]
+    assert "prompt   'add 0 1 ='" in warnings[0] and "label    'x y'" in warnings[0]
+    assert metrics["rollout/zero_std_group_frac"] == 1.0
+    # Still constant: no repeat while the condition holds; again after it cleared and came back.
+    assert health.after_rollout(1, samples([0.0] * 16))[1] == []
+    assert health.after_rollout(2, healthy(random.Random(0)))[1] == []
+    again = health.after_rollout(3, samples([1.0] * 16))[1]
+    assert len(again) == 1 and "all 16 rewards of rollout 3 are 1.0" in again[0]
+
+
+def test_zero_variance_groups_warn_after_a_streak():
+    health = RolloutHealth(4)
+    # Half the groups all right, half all wrong: rewards differ, but no group has any variance.
+    grouped = [1.0] * 4 + [0.0] * 4 + [1.0] * 4 + [0.0] * 4
+    fired = [health.after_rollout(k, samples(grouped))[1] for k in range(6)]
+    assert [len(w) for w in fired] == [0, 0, 0, 0, 1, 0]
+    assert "100% of groups had all-equal rewards in each of the last 5 rollouts" in fired[4][0]
+
+
+def test_truncated_responses_warn():
+    health = RolloutHealth(4)
+    _, warnings = health.after_rollout(0, samples([0.0, 1.0] * 8, finish="length"))
+    assert len(warnings) == 1 and "100% of the responses of rollout 0 hit max_response_len" in warnings[0]
+
+
+def test_eval_collapse_needs_a_rising_share_and_falling_entropy():
+    health = RolloutHealth(4)
+    varied = [str(i) for i in range(16)]
+    health.after_rollout(0, samples([0.0, 1.0] * 8, logprob=-0.5))
+    metrics, warnings = health.after_eval("task", samples([0.0] * 16, texts=varied), 0.0, 0.25)
+    assert metrics["eval/task/top_answer_share"] == 1 / 16 and warnings == []
+    collapsed = ["7"] * 14 + ["1", "2"]
+    # Share up but entropy unchanged: not a collapse yet.
+    health.after_rollout(1, samples([0.0, 1.0] * 8, logprob=-0.5))
+    assert health.after_eval("task", samples([0.0] * 16, texts=collapsed), 0.25, 0.25)[1] == []
+    health.after_rollout(2, samples([0.0, 1.0] * 8, logprob=-0.1))
+    _, warnings = health.after_eval("task", samples([0.0] * 16, texts=collapsed), 0.25, 0.25)
+    assert len(warnings) == 1 and "88% of its responses are '7'" in warnings[0]
+    assert "best constant answer scores 0.250" in warnings[0]
+
+
+def test_a_healthy_run_gets_no_warning():
+    rng, health = random.Random(1), RolloutHealth(4)
+    for k in range(30):
+        assert health.after_rollout(k, healthy(rng))[1] == []
+        texts = [str(rng.randint(0, 99)) for _ in range(16)]
+        assert health.after_eval("task", samples([0.0] * 16, texts=texts), 0.5, 0.1)[1] == []

@@ -1,0 +1,144 @@
+"""Signs that a run cannot learn, raised as warnings with a sample beside them.
+
+A GRPO step learns only from differences between the rewards of a group. When every reward is the
+same, when most groups are all-equal for many rollouts, or when most responses are cut off, the
+loss and gradient are zero or meaningless and the console would only show zeros. When the greedy
+eval answers more and more prompts with one answer while the policy's entropy falls, the run is
+collapsing onto that answer, which can look like learning when that answer is often right.
+
+Each check warns when its condition starts (and again if it returns after clearing); the warning
+shows one sample's prompt, response, label and reward so the cause is visible.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tether.rollout.sample import Sample
+
+
+@dataclass
+class HealthThresholds:
+    zero_std_frac: float = 0.8
+    """Share of groups whose rewards are all equal ..."""
+    zero_std_rollouts: int = 5
+    """... for this many rollouts in a row."""
+    truncated_frac: float = 0.5
+    """Share of responses that hit max_response_len."""
+    collapse_share: float = 0.6
+    """Share of eval responses equal to the most common one ..."""
+    collapse_rise: float = 0.2
+    """... having risen by at least this much since the first eval ..."""
+    collapse_entropy_ratio: float = 0.7
+    """... while the sampled tokens' entropy fell below this fraction of the first rollout's."""
+
+
+def _excerpt(value: object, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(sample: Sample) -> str:
+    prompt = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1].get("content", "")
+    return (f"  example (prompt_index {sample.prompt_index}, sample {sample.sample_index}):\n"
+            f"    prompt   {_excerpt(prompt)}\n    response {_excerpt(sample.response_text)} "
+            f"({sample.response_length} tokens, finish {sample.finish_reason or '?'})\n"
+            f"    label    {_excerpt(sample.label)}\n    reward   {sample.reward}")
+
+
+def group_rewards(samples: list[Sample], group_size: int) -> list[list[float]]:
+    return [[float(s.reward) for s in samples[k : k + group_size]] for k in range(0, len(samples), group_size)]
+
+
+def neg_logprob_mean(samples: list[Sample]) -> float:
+    """Mean -log p of the sampled tokens: an unbiased estimate of the sampling entropy per token."""
+    logprobs = [lp for s in samples for lp in s.response_logprobs]
+    return -statistics.fmean(logprobs) if logprobs else 0.0
+
+
+@dataclass
+class RolloutHealth:
+    group_size: int
+    limits: HealthThresholds = field(default_factory=HealthThresholds)
+    _active: set = field(default_factory=set)
+    _zero_std_streak: int = 0
+    _rollouts_seen: int = 0
+    _first_entropy: float | None = None
+    _last_entropy: float | None = None
+    _first_share: dict = field(default_factory=dict)
+
+    def _onset(self, key: str, condition: bool) -> bool:
+        """True only on the rollout where ``condition`` becomes true."""
+        if not condition:
+            self._active.discard(key)
+            return False
+        started = key not in self._active
+        self._active.add(key)
+        return started
+
+    def after_rollout(self, rollout_id: int, samples: list[Sample]) -> tuple[dict[str, float], list[str]]:
+        """Metrics of the rollout's learning signal and the warnings that start with it."""
+        groups = group_rewards(samples, self.group_size)
+        zero_std = sum(len(set(g)) == 1 for g in groups) / len(groups)
+        truncated = sum(s.finish_reason == "length" for s in samples) / len(samples)
+        entropy = neg_logprob_mean(samples)
+        self._first_entropy = entropy if self._first_entropy is None else self._first_entropy
+        self._last_entropy = entropy
+        self._zero_std_streak = self._zero_std_streak + 1 if zero_std >= self.limits.zero_std_frac else 0
+        first = self._rollouts_seen == 0
+        self._rollouts_seen += 1
+        rewards = {float(s.reward) for s in samples}
+        warnings = []
+        if self._onset("all_equal", len(rewards) == 1):
+            value = next(iter(rewards))
+            if first:
+                warnings.append(f"the reward function returned {value} for every one of the {len(samples)} samples "
+                                f"of the first rollout ({rollout_id}): check that it reads the response and the "
+                                "label as they are (see the example), or the model never produces a right answer\n"
+                                + describe(samples[0]))
+            else:
+                warnings.append(f"all {len(samples)} rewards of rollout {rollout_id} are {value}: no response is "
+                                "better than another, so this rollout teaches nothing\n" + describe(samples[0]))
+        streak = self.limits.zero_std_rollouts
+        if self._onset("zero_std", self._zero_std_streak >= streak) and len(rewards) > 1:
+            mean = statistics.fmean(float(s.reward) for s in samples)
+            warnings.append(f"{zero_std:.0%} of groups had all-equal rewards in each of the last {streak} rollouts "
+                            f"(mean reward now {mean:.3f}): they give no gradient. If their rewards are high the "
+                            "task is solved for those prompts; if low, the model never succeeds on them (more SFT, "
+                            "a higher temperature, more samples per prompt, or a check of the reward)\n"
+                            + describe(samples[0]))
+        if self._onset("truncated", truncated > self.limits.truncated_frac):
+            cut = next(s for s in samples if s.finish_reason == "length")
+            warnings.append(f"{truncated:.0%} of the responses of rollout {rollout_id} hit max_response_len "
+                            f"({cut.response_length} tokens) before an eos: raise rollout.max_response_len, or "
+                            "the model has not learned to stop (SFT with the eos)\n" + describe(cut))
+        metrics = {"rollout/zero_std_group_frac": zero_std, "rollout/neg_logprob_mean": entropy}
+        return metrics, warnings
+
+    def after_eval(self, name: str, samples: list[Sample], score: float,
+                   constant_score: float) -> tuple[dict[str, float], list[str]]:
+        """Metrics of how varied the eval's answers are and a warning when they collapse onto one."""
+        counts = answer_counts(samples)
+        top, top_count = counts.most_common(1)[0]
+        share = top_count / len(samples)
+        first = self._first_share.setdefault(name, share)
+        entropy_fell = (self._first_entropy is not None and self._last_entropy is not None
+                        and self._last_entropy < self.limits.collapse_entropy_ratio * self._first_entropy)
+        collapsing = share >= self.limits.collapse_share and share - first >= self.limits.collapse_rise and entropy_fell
+        warnings = []
+        if self._onset(f"collapse/{name}", collapsing):
+            example = next(s for s in samples if s.response_text.strip() == top)
+            warnings.append(f"eval {name!r} may be collapsing onto one answer: {share:.0%} of its responses are "
+                            f"{top!r} (at the first eval {first:.0%}) while the sampling entropy fell from "
+                            f"{self._first_entropy:.3f} to {self._last_entropy:.3f} per token. Score {score:.3f}; "
+                            f"always giving the best constant answer scores {constant_score:.3f}. Lower the "
+                            "learning rate, add entropy_coef or kl_loss_coef, or sample more per prompt\n"
+                            + describe(example))
+        return {f"eval/{name}/top_answer_share": share}, warnings
+
+
+def answer_counts(samples: list[Sample]) -> Counter:
+    """How often each (stripped) response text was given."""
+    return Counter(s.response_text.strip() for s in samples)
