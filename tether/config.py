@@ -427,6 +427,31 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _resolve_spec(spec: Any, base: Path) -> Any:
+    """A relative ``path/file.py:function`` spec made absolute against ``base``; anything else as is."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec
+    target, _, attr = spec.strip().rpartition(":")
+    if not (target.endswith(".py") or "/" in target or "\\" in target):
+        return spec  # a built-in name or a module:function
+    path = Path(target).expanduser()
+    return spec if path.is_absolute() else f"{(base / path).resolve()}:{attr}"
+
+
+def resolve_function_specs(raw: dict, base: Path) -> dict:
+    """Resolve the file specs of user functions (rewards, policy loss) in a raw config against ``base``:
+    the config file's folder for values written in it, the working directory for overrides."""
+    for section, key in (("rollout", "reward"), ("algorithm", "policy_loss")):
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            node[key] = _resolve_spec(node[key], base)
+    datasets = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
+    for dataset in datasets if isinstance(datasets, list) else []:
+        if isinstance(dataset, dict) and "reward" in dataset:
+            dataset["reward"] = _resolve_spec(dataset["reward"], base)
+    return raw
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> TetherConfig:
     try:
         return TetherConfig.model_validate(raw)
@@ -449,7 +474,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    raw = apply_overrides(raw, overrides or [])
+        resolve_function_specs(raw, path.resolve().parent)
+    raw = resolve_function_specs(apply_overrides(raw, overrides or []), Path.cwd())
     if overrides:
         source += " with overrides " + " ".join(overrides)
     return config_from_dict(raw, source)
@@ -469,6 +495,13 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
             problems.append(f"  {field}: required for `tether {command}`")
         elif not Path(value).exists():
             problems.append(f"  {field}: {value} does not exist")
+    specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
+             **{f"eval.datasets[{i}].reward": d.reward for i, d in enumerate(cfg.eval.datasets)}}
+    for field, spec in specs.items():
+        target = (spec or "").rpartition(":")[0]
+        if command == "train" and target.endswith(".py") and not Path(target).is_file():
+            problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
+                            "against the file's folder, one in an override against the working directory)")
     if problems:
         raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
 

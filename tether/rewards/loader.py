@@ -1,9 +1,11 @@
 """Resolve reward-function specs and apply reward functions to samples.
 
-A reward function takes a Sample and returns a float. A spec names one as:
+A reward function is called with a Sample and returns a float; a user's function may be written as
+``fn(response, label)`` or with named fields instead (tether/rewards/signature.py). A spec names one as:
 - a built-in name: "math", "exact_match", "f1";
 - an importable function: "package.module:function";
-- a function in a Python file: "path/to/file.py:function".
+- a function in a Python file: "path/to/file.py:function" (a relative path in a config file is
+  resolved against that file's folder when the config is loaded).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Callable, Sequence
 
 from tether.importing import load_function
 from tether.rewards.builtin import BUILTIN_REWARDS
+from tether.rewards.signature import adapt_reward
 from tether.rollout.sample import Sample
 
 RewardFn = Callable[[Sample], float]
@@ -46,7 +49,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"{sorted(BUILTIN_REWARDS)}, or use 'package.module:function' or "
             f"'path/to/file.py:function'"
         )
-    return load_function(spec, "reward", RewardLoadError)
+    return adapt_reward(load_function(spec, "reward", RewardLoadError), spec, RewardLoadError)
 
 
 def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str) -> list[float]:

@@ -1,0 +1,95 @@
+"""A user's reward in the form it was written: fn(sample), fn(response, label), named fields, verl's
+compute_score; relative file specs resolved against the config file's folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tether.config import ConfigError, check_inputs, load_config
+from tether.rewards import RewardLoadError, compute_rewards, load_reward_fn
+from tether.rollout.sample import Sample
+
+SCORERS = '''
+def by_sample(sample):
+    return float(sample.response_text == sample.label)
+
+def by_text(response: str, label) -> float:
+    return float(response.strip() == label)
+
+def positional(a, b):
+    return float(a == b)
+
+def named(label, prompt, response, metadata):
+    return float(response == label and prompt.startswith("q") and metadata["w"] == 1)
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth and data_source == "toy" and extra_info["w"] == 1)
+
+async def by_text_async(response, label):
+    return float(response == label)
+
+def unclear(x, y, z):
+    return 0.0
+'''
+
+
+def sample(response: str, label: str = "1 2") -> Sample:
+    return Sample(prompt_index=0, sample_index=0, prompt="q: 2 1", label=label,
+                  metadata={"w": 1, "data_source": "toy"}, prompt_ids=[1], response_text=response)
+
+
+@pytest.fixture()
+def scorers(tmp_path):
+    path = tmp_path / "scorers.py"
+    path.write_text(SCORERS)
+    return path
+
+
+@pytest.mark.parametrize("name", ["by_sample", "by_text", "positional", "named", "compute_score", "by_text_async"])
+def test_each_signature_is_called_with_what_it_asks_for(scorers, name):
+    fn = load_reward_fn(f"{scorers}:{name}")
+    assert compute_rewards(fn, [sample("1 2"), sample("2 1")], name) == [1.0, 0.0]
+
+
+def test_an_unclear_signature_is_refused_with_the_forms(scorers):
+    with pytest.raises(RewardLoadError, match=r"unclear\(x, y, z\).*fn\(sample\), fn\(response, label\)"):
+        load_reward_fn(f"{scorers}:unclear")
+
+
+def test_relative_specs_resolve_against_the_config_folder(tmp_path, scorers):
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    (recipe / "reward.py").write_text(SCORERS)
+    (recipe / "run.yaml").write_text(
+        "model: {path: m}\nrollout: {reward: reward.py:by_text}\nalgorithm: {policy_loss: ppo_clip}\n"
+        "eval: {datasets: [{name: a, path: e.jsonl, reward: ./reward.py:named}, {name: b, path: e.jsonl}]}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        cfg = load_config(recipe / "run.yaml")
+        assert cfg.rollout.reward == f"{recipe / 'reward.py'}:by_text"
+        assert cfg.eval.datasets[0].reward == f"{recipe / 'reward.py'}:named"
+        assert cfg.eval.datasets[1].reward is None and cfg.algorithm.policy_loss == "ppo_clip"
+        assert load_reward_fn(cfg.rollout.reward)(sample("1 2")) == 1.0
+        # An override is typed in the shell: relative to the working directory.
+        (elsewhere / "mine.py").write_text(SCORERS)
+        cfg = load_config(recipe / "run.yaml", ["rollout.reward=mine.py:by_sample", "eval.datasets=[]"])
+        assert cfg.rollout.reward == f"{elsewhere / 'mine.py'}:by_sample"
+        # Built-ins and module specs are left alone.
+        assert load_config(recipe / "run.yaml", ["rollout.reward=math"]).rollout.reward == "math"
+        assert load_config(recipe / "run.yaml", ["rollout.reward=pkg.mod:fn"]).rollout.reward == "pkg.mod:fn"
+    finally:
+        os.chdir(cwd)
+
+
+def test_a_missing_reward_file_is_refused_before_start(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "run.yaml").write_text(f"model: {{path: {tmp_path / 'm'}}}\ndata: {{path: {tmp_path / 'd.jsonl'}}}\n"
+                                       "rollout: {reward: rewards/mine.py:fn}\n")
+    with pytest.raises(ConfigError, match=r"rollout.reward: .*rewards/mine.py does not exist \(a relative path"):
+        check_inputs(load_config(tmp_path / "run.yaml"), "train")

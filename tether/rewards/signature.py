@@ -1,0 +1,61 @@
+"""Calling a user's reward function in the form it was written.
+
+tether calls every reward as ``fn(sample) -> float``. Scorers written elsewhere take the response
+text and the label instead, so the function's signature decides how it is called:
+
+    def reward(sample): ...                              # the Sample (prompt, response_text, label, metadata, ...)
+    def reward(response: str, label) -> float: ...      # any two positional parameters: response text, label
+    def reward(prompt, response, label, metadata): ...  # parameters named as below, in any order
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None): ...   # verl's form
+
+Recognised parameter names: sample; prompt; response, response_text, completion, solution_str;
+label, ground_truth, answer, reference; metadata, extra_info; data_source (metadata["data_source"]).
+An ``async def`` reward is run to completion for each sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable
+
+from tether.rollout.sample import Sample
+
+_FIELDS: dict[str, Callable[[Sample], Any]] = {
+    "sample": lambda s: s,
+    "prompt": lambda s: s.prompt,
+    **{name: (lambda s: s.response_text) for name in ("response", "response_text", "completion", "solution_str")},
+    **{name: (lambda s: s.label) for name in ("label", "ground_truth", "answer", "reference")},
+    **{name: (lambda s: s.metadata) for name in ("metadata", "extra_info")},
+    "data_source": lambda s: s.metadata.get("data_source"),
+}
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _resolve(value: Any) -> Any:
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def adapt_reward(fn: Callable, spec: str, error: type[Exception]) -> Callable[[Sample], Any]:
+    """``fn`` as a function of one Sample, chosen from its signature; ``error`` names the spec."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins and C functions have no signature: take them as fn(sample)
+        return lambda s: _resolve(fn(s))
+    required = [p for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    named = [p.name for p in required]
+    positional = [p for p in required if p.kind in _POSITIONAL]
+    if len(positional) == len(required) == 1 and named[0] not in _FIELDS or named == ["sample"]:
+        # Already tether's form: called as it is (async functions still need running).
+        return (lambda s: _resolve(fn(s))) if inspect.iscoroutinefunction(fn) else fn
+    if required and all(name in _FIELDS for name in named):
+        # Optional parameters with a known name are filled too (verl's extra_info=None).
+        names = [p.name for p in params if p.name in _FIELDS and p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+        getters = {name: _FIELDS[name] for name in names}
+        return lambda s: _resolve(fn(**{name: get(s) for name, get in getters.items()}))
+    if len(positional) == len(required) == 2:
+        return lambda s: _resolve(fn(s.response_text, s.label))
+    raise error(f"reward spec '{spec}': cannot tell how to call {getattr(fn, '__name__', fn)}{inspect.signature(fn)}; "
+                "write fn(sample), fn(response, label), or name its parameters from "
+                f"{sorted(_FIELDS)}")
