@@ -140,10 +140,16 @@ def copy_hf_config(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def prune(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; returns what was removed."""
-    complete = [p for p in sorted(Path(root).glob("rollout_*"), reverse=True) if p.suffix != ".tmp" and is_complete(p)]
-    removed = complete[keep_last:]
+def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints of the run ``run_id`` (of any run
+    when None); returns what was removed. Another run's checkpoints and the one ``latest`` names are
+    never touched."""
+    root = Path(root)
+    pointer = root / LATEST
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    ours = [p for p in sorted(root.glob("rollout_*"), reverse=True) if p.suffix != ".tmp" and is_complete(p)
+            and (run_id is None or read_meta(p).get("tracker_run_id") == run_id)]
+    removed = [p for p in ours[keep_last:] if p.name != latest]
     for path in removed:
         shutil.rmtree(path)
     return removed
@@ -240,7 +246,8 @@ class Checkpointer:
 
     def commit(self, rollout_id: int, metrics: dict | None = None) -> str:
         """Seal the checkpoint; ``metrics`` (the rollout's metrics row) is kept in meta.json."""
-        path = commit(self.root, rollout_id, self.config, {**self.extra(), "metrics_row": metrics})
+        extra = self.extra()
+        path = commit(self.root, rollout_id, self.config, {**extra, "metrics_row": metrics})
         if self.keep_last:
-            prune(self.root, self.keep_last)
+            prune(self.root, self.keep_last, extra.get("tracker_run_id"))
         return str(path)

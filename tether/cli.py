@@ -1,7 +1,7 @@
 """The `tether` command.
 
-    tether train --config recipe.yaml [section.field=value ...] [--load DIR] [--dry-run]
-    tether sft   --config sft.yaml    [section.field=value ...] [--dry-run]
+    tether train --config recipe.yaml [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
+    tether sft   --config sft.yaml    [section.field=value ...] [--overwrite] [--dry-run]
     tether export CKPT OUT
 """
 
@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", "-c", help="YAML recipe")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+        p.add_argument("--overwrite", action="store_true",
+                       help="start afresh even if output_dir holds an earlier run (its logs and checkpoints are deleted)")
         if name == "train":
             p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
     export = sub.add_parser("export", help="write a checkpoint's model as an HF directory",
@@ -63,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from tether.train import train
 
-            train(cfg)
+            train(cfg, overwrite=args.overwrite, config_path=args.config)
         else:
             from tether.sft import sft
 
-            sft(cfg)
+            sft(cfg, overwrite=args.overwrite, config_path=args.config)
     except ConfigError as err:  # e.g. a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2

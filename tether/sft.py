@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from tether.config import TetherConfig
 from tether.rollout.data_source import read_jsonl
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           ROUND_TRIP_ROWS, render_prompt, round_trip_problems)
+from tether.run_dir import claim
 from tether.train import make_tracker
 from tether.trainer.group import TrainerGroup
 from tether.trainer.model import load_tokenizer
@@ -60,7 +62,10 @@ def batches(rows: list, batch_size: int, epochs: int, seed: int):
                              response_lengths=[len(r) for _, r in chosen])
 
 
-def sft(cfg: TetherConfig) -> dict:
+def sft(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
+    """Supervised fine-tuning as configured; exports <output_dir>/hf and returns the run summary."""
+    for path in claim(cfg.output_dir, None, overwrite=overwrite, command="sft", config_path=config_path):
+        print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
     tokenizer = load_tokenizer(cfg.model.path)
     texts: list = []
     rows = load_sft_rows(cfg, tokenizer, texts)

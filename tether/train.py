@@ -12,28 +12,34 @@ from tether.cluster import plan_placement
 from tether.config import TetherConfig
 from tether.loop import LoopPlan, run_loop
 from tether.resume import check_resume_config, trim_jsonl
+from tether.run_dir import claim
 from tether.trainer.actor import TRAINED_SAMPLES
 from tether.rollout.handle import RolloutHandle, create_engines
 from tether.tracking import Tracker
 from tether.trainer.group import TrainerGroup
 
 
-def resolve_resume(cfg: TetherConfig) -> tuple[str | None, int, dict]:
+def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None
+                   ) -> tuple[str | None, int, dict]:
     """(checkpoint path, first rollout id, its meta). A --load directory without one starts fresh.
 
-    meta["redo_eval"] is set when the crash came after the checkpoint but before that rollout's
-    eval was logged.
+    A fresh start claims the output directory (tether/run_dir.py): it refuses to write over an
+    earlier run unless ``overwrite``. meta["redo_eval"] is set when the crash came after the
+    checkpoint but before that rollout's eval was logged.
 
     The config is checked against the checkpoint's before anything starts, and the run's logs are
     trimmed to the checkpoint: rollouts after it are redone, so their old rows would be duplicates.
     """
-    if not cfg.checkpoint.load:
-        _start_fresh(Path(cfg.output_dir))
-        return None, 0, {}
-    found = find_latest(cfg.checkpoint.load)
+    found = find_latest(cfg.checkpoint.load) if cfg.checkpoint.load else None
     if found is None:
-        print(f"[tether] no complete checkpoint in {cfg.checkpoint.load}: starting from rollout 0", file=sys.stderr)
-        _start_fresh(Path(cfg.output_dir))
+        if cfg.checkpoint.load:
+            print(f"[tether] no complete checkpoint in {cfg.checkpoint.load}: starting from rollout 0", file=sys.stderr)
+        # Asked to resume a run that never finished a checkpoint: its logs describe nothing that
+        # survives, so they are replaced; any other earlier run is refused unless overwriting.
+        nothing_kept = bool(cfg.checkpoint.load) and find_latest(cfg.checkpoint_dir) is None
+        for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite or nothing_kept, command="train",
+                          config_path=config_path):
+            print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
         return None, 0, {}
     path, rollout_id = found
     meta = read_meta(path)
@@ -60,13 +66,6 @@ def restore_metrics_row(path: Path, row: dict | None) -> bool:
     return True
 
 
-def _start_fresh(out: Path) -> None:
-    """A run from rollout 0 owns its output directory's logs: an earlier run's rows are replaced."""
-    for name in ("metrics.jsonl", TRAINED_SAMPLES):
-        if trim_jsonl(out / name, lambda row: False):
-            print(f"[tether] {out / name} held rows of an earlier run: starting it afresh", file=sys.stderr)
-
-
 def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | None = None) -> Tracker:
     t = cfg.tracking
     return Tracker(cfg.output_dir, run_name=t.run_name or Path(cfg.output_dir).name, config=cfg.model_dump(mode="json"),
@@ -74,9 +73,10 @@ def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | N
                    wandb_mode=t.wandb_mode, console=t.console, step_label=step_label, resume_run_id=run_id)
 
 
-def train(cfg: TetherConfig) -> dict:
-    """Run RL training as configured; returns the run summary."""
-    load_path, start, meta = resolve_resume(cfg)
+def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
+    """Run RL training as configured; returns the run summary. ``overwrite``: a fresh start may
+    delete an earlier run's logs and checkpoints in its directories (else it refuses to start)."""
+    load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
     engines = create_engines(cfg, placement)

@@ -235,3 +235,20 @@ def test_manifest_catches_a_truncated_file(tmp_path):
     assert problem(path) is None
     (path / "rank0.pt").write_bytes(b"ra")
     assert "rank0.pt has 2 bytes, 5 were written" in problem(path)
+
+
+def test_prune_touches_only_this_runs_checkpoints(tmp_path):
+    # An older run reached rollout 40; this run (another id) has saved 0..2 with keep_last=1.
+    old = Checkpointer(tmp_path, CONFIG, keep_last=None, extra=lambda: {"tracker_run_id": "old"})
+    for rollout_id in (20, 40):
+        _fill(Path(old.stage(rollout_id)))
+        old.commit(rollout_id)
+    new = Checkpointer(tmp_path, CONFIG, keep_last=1, extra=lambda: {"tracker_run_id": "new"})
+    for rollout_id in range(3):
+        _fill(Path(new.stage(rollout_id)))
+        new.commit(rollout_id)
+    names = sorted(p.name for p in tmp_path.glob("rollout_*"))
+    assert names == ["rollout_000002", "rollout_000020", "rollout_000040"]
+    # latest names this run's newest, which exists.
+    assert (tmp_path / "latest").read_text().strip() == "rollout_000002"
+    assert find_latest(tmp_path) == (tmp_path / "rollout_000002", 2)
