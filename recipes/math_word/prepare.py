@@ -64,25 +64,27 @@ def make_problem(rng: random.Random, kind: str) -> tuple[str, int, list, list]:
     obj, box = rng.choice(OBJECTS), rng.choice(CONTAINERS)
     gain, loss = rng.choice(GAIN_VERBS), rng.choice(LOSS_VERBS)
     if kind == "add":
-        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
         text = f"{name} has {a} {obj} and {gain} {b} more. How many {obj} does {pronoun} have now?"
         return text, a, [("+", b)], [("+", b)]
     if kind == "sub":
-        a = rng.randint(5, 20)
-        b = rng.randint(2, a - 1)
+        a = rng.randint(2, 9)
+        b = rng.randint(1, a - 1)
         text = f"{name} has {a} {obj} and {loss.format(n=b, other=other)}. How many {obj} does {pronoun} have left?"
         return text, a, [("-", b)], [("+", b)]
     if kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
         text = f"{name} has {a} {box} with {b} {obj} each. How many {obj} does {pronoun} have?"
         return text, a, [("*", b)], [("+", b)]
     if kind == "add_sub":
-        a, b = rng.randint(2, 15), rng.randint(2, 15)
-        c = rng.randint(2, a + b - 1)
+        a = rng.randint(1, 8)
+        b = rng.randint(1, 9 - a)
+        c = rng.randint(1, a + b - 1)
         text = f"{name} has {a} {obj}, {gain} {b} more and {loss.format(n=c, other=other)}. How many are left?"
         return text, a, [("+", b), ("-", c)], [("+", b), ("+", c)]
     if kind == "mul_add":
-        a, b, c = rng.randint(2, 6), rng.randint(2, 6), rng.randint(2, 12)
+        a, b = rng.choice([(2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (3, 3)])
+        c = rng.randint(1, 9)
         text = f"{name} has {a} {box} with {b} {obj} each and {c} more {obj}. How many {obj} in all?"
         return text, a, [("*", b), ("+", c)], [("+", b), ("+", c)]
     raise ValueError(f"unknown kind {kind!r}")

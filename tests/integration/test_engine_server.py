@@ -174,6 +174,24 @@ def test_malformed_requests_get_4xx_with_a_message(client, body, status, words):
     assert client.post("/release_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
 
 
+@pytest.mark.parametrize("spoil, words", [
+    (lambda t: t.clone().index_fill_(0, torch.tensor([0]), float("nan")), "has NaN/inf values"),
+    (lambda t: t.clone().index_fill_(0, torch.tensor([1]), float("inf")), "has NaN/inf values"),
+    (lambda t: t.to(torch.float64), "is torch.float64, the engine's weights are torch.float32"),
+])
+def test_non_finite_or_wrong_dtype_weights_are_refused_and_change_nothing(client, server, spoil, words):
+    before = gen(client, [5, 6, 7], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    state = server.core.engine.model.state_dict()
+    good = "model.layers.0.mlp.up_proj.weight"
+    bucket = {good: state[good].clone() * 2, "model.norm.weight": spoil(state["model.norm.weight"])}
+    reply = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(
+        save_safetensors(bucket)).decode(), "weight_version": 99})
+    assert reply.status_code == 400 and words in reply.json()["detail"], reply.text
+    after = gen(client, [5, 6, 7], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+
+
 def test_prefix_cache_across_requests_flushed_on_demand_and_on_new_weights(client, server):
     client.post("/flush_cache")
     system = list(range(5, 45))  # 40 tokens: 2 whole blocks of 16 and a bit

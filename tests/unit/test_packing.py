@@ -29,8 +29,8 @@ def mixed_batch() -> TrainBatch:
 
 
 def settings(**kw) -> StepSettings:
-    return StepSettings(micro_batch_size=3, global_batch_size=8, pad_id=0, grad_clip=0.0, policy_loss="ppo_clip",
-                        loss_params=LossParams(), advantage_estimator="grpo", **kw)
+    return StepSettings(**{"micro_batch_size": 3, "global_batch_size": 8, "pad_id": 0, "grad_clip": 0.0,
+                           "policy_loss": "ppo_clip", "loss_params": LossParams(), "advantage_estimator": "grpo", **kw})
 
 
 def test_packed_and_padded_logprobs_are_equal(model_dir):

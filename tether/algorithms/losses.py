@@ -20,6 +20,8 @@ affecting the loss or its gradient.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -258,11 +260,18 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _load_user_loss(spec: str) -> PolicyLossFn:
+    # Loaded once per process: executing the user's file on every micro-batch would be slow and
+    # would reset any state the module keeps.
+    return load_function(spec, "policy loss")
+
+
 def get_policy_loss(name: str) -> PolicyLossFn:
     """A policy loss by name, or a user's ``module:function`` / ``file.py:function`` taking
     ``(LossInputs, LossParams)`` and returning ``(loss, metrics)``; ValueError lists the names."""
     if ":" in name:
-        return load_function(name, "policy loss")
+        return _load_user_loss(name)
     try:
         return POLICY_LOSSES[name]
     except KeyError:

@@ -75,6 +75,8 @@ class EmbeddedEngine(Engine):
         # Tied weights (lm_head = embed_tokens) appear under both names in a state dict.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers())
+        targets = {}
+        # Every tensor of the bucket is checked before any is copied: a refused update changes nothing.
         for name, tensor in tensors.items():
             target = params.get(name, buffers.get(name))
             if target is None:
@@ -82,8 +84,15 @@ class EmbeddedEngine(Engine):
             if tuple(target.shape) != tuple(tensor.shape):
                 raise EngineError(f"weight update version {version}: {name} has shape {tuple(tensor.shape)}, "
                                   f"model expects {tuple(target.shape)}")
+            if tensor.dtype != target.dtype:
+                raise EngineError(f"weight update version {version}: {name} is {tensor.dtype}, the engine's "
+                                  f"weights are {target.dtype} (send the model's dtype)")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise EngineError(f"weight update version {version}: {name} has NaN/inf values; refused")
+            targets[name] = target
+        for name, tensor in tensors.items():
             with torch.no_grad():
-                target.copy_(tensor.to(target.dtype))
+                targets[name].copy_(tensor)
             self._pending.discard(name)
         self.weights_changed += 1
         return len(tensors)

@@ -28,6 +28,7 @@ from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
 from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_tokenizer, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
+from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 from tether.weight_sync import ObjectStoreSender, WeightSender
 from tether.weight_sync.distributed import DistributedSender
@@ -62,6 +63,7 @@ class TrainActor:
         self.sender: WeightSender | None = None
         self.ref_model = None
         self.critic: Critic | None = None
+        self.guard = NonFiniteGuard(self.cfg.train.skip_nonfinite_steps)  # counts bad steps across calls
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -126,8 +128,9 @@ class TrainActor:
         start = time.perf_counter()
         self.model.train()
         settings = self.step_settings(policy_loss, global_batch_size or self.cfg.global_batch_size)
+        what = f"rollout {step_id}" if batch.rewards is not None else f"sft step {step_id}"
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
-                                 self.rank, self.world, self.ref_model, self.critic)
+                                 self.rank, self.world, self.ref_model, self.critic, self.guard, what)
         metrics["timing/train_s"] = time.perf_counter() - start
         if self.rank == 0 and batch.rewards is not None:
             self._log_trained(step_id, batch)

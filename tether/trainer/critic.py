@@ -22,7 +22,7 @@ from tether.batch import MicroBatch, TrainBatch
 from tether.config import TetherConfig
 from tether.trainer.model import DTYPES, apply_fsdp
 from tether.trainer.optim import build_optimizer, build_scheduler
-from tether.trainer.step import StepSettings, micro_batches, optimizer_step, place
+from tether.trainer.step import StepSettings, grad_norm, micro_batches, place
 
 
 def load_value_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
@@ -81,5 +81,12 @@ class Critic:
                 metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value
         return metrics
 
-    def step(self) -> float:
-        return optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+    def step(self, apply: bool = True) -> float:
+        """Clip and apply the accumulated gradients; returns the grad norm. ``apply=False``: the
+        policy's step was skipped as non-finite, so the critic's is dropped too."""
+        norm = grad_norm(self.model, self.grad_clip)
+        if apply:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

@@ -25,6 +25,7 @@ from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
+from tether.trainer.nonfinite import NonFiniteGuard, check_weights
 
 
 @dataclass
@@ -151,15 +152,11 @@ def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch
     return total, count, worst
 
 
-def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
-    """Clip (or just measure) the global grad norm, step, and return the norm."""
+def grad_norm(model: nn.Module, grad_clip: float) -> float:
+    """The global grad norm, clipping the gradients to ``grad_clip`` (0: only measured)."""
     # clip_grad_norm_ reduces the norm over all shards; max_norm=inf only measures it.
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def accumulate(metrics: dict[str, float], new: dict[str, float]) -> None:
@@ -209,8 +206,11 @@ def all_reduce_max(value: float) -> float:
 
 
 def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
-                   ref_model: nn.Module | None = None, critic=None) -> dict[str, float]:
-    """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics."""
+                   ref_model: nn.Module | None = None, critic=None, guard: NonFiniteGuard | None = None,
+                   what: str = "train") -> dict:
+    """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics
+    (and "warnings" for skipped non-finite steps). ``what`` names the batch in messages."""
+    guard = guard or NonFiniteGuard(0)
     batch.validate()
     n = len(batch)
     if n % s.global_batch_size:
@@ -234,7 +234,8 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
         out["mismatch/logprob_abs_diff_mean"] = total / max(count, 1.0)
         out["mismatch/logprob_abs_diff_max"] = all_reduce_max(worst)
     summed: dict[str, float] = {}
-    for global_idx, mine in zip(global_steps, assigned):
+    warnings: list[str] = []
+    for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
         counts = GlobalCounts(num_tokens=float(max(1, sum(batch.response_lengths[i] for i in global_idx))),
                               num_sequences=float(max(1, sum(batch.response_lengths[i] > 0 for i in global_idx))),
                               max_response_len=max(1, s.max_response_len))
@@ -242,12 +243,32 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
         if critic is not None and is_rl:
             parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
         keys = sorted(parts)
-        reduced = dict(zip(keys, all_reduce_sum([parts[k] for k in keys])))
+        reduced = dict(zip(keys, all_reduce_sum([parts[key] for key in keys])))
+        norm = grad_norm(model, s.grad_clip)
+        inputs = {"advantages": _cat(advantages, mine), "old log-probs": _cat(old, mine), "ref log-probs": _cat(ref, mine)}
+        skipped = guard.check(f"{what}, optimizer step {k + 1}/{steps}", reduced, norm, model, inputs)
         reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        reduced["grad_norm"] = optimizer_step(model, optimizer, scheduler, s.grad_clip)
+        reduced["grad_norm"] = norm
+        if skipped is None:
+            optimizer.step()
+            scheduler.step()
+        else:
+            warnings.append(skipped)
+        optimizer.zero_grad(set_to_none=True)
         if critic is not None and is_rl:
-            reduced["critic/grad_norm"] = critic.step()
+            reduced["critic/grad_norm"] = critic.step(apply=skipped is None)
         accumulate(summed, reduced)
+    check_weights(model, what)
     out.update({f"train/{k}": v / steps for k, v in summed.items()})
-    out["train/optimizer_steps"] = float(steps)
+    out["train/optimizer_steps"] = float(steps - len(warnings))
+    out["train/skipped_steps"] = float(len(warnings))
+    if warnings:
+        out["warnings"] = warnings
     return out
+
+
+def _cat(per_sample: dict[int, torch.Tensor] | None, indices: list[int]) -> torch.Tensor | None:
+    """This rank's samples' values as one flat tensor (for finding where a NaN came from)."""
+    if per_sample is None or not indices:
+        return None
+    return torch.cat([per_sample[i].flatten() for i in indices if i in per_sample] or [torch.zeros(0)])

@@ -1,0 +1,34 @@
+"""What a run says when something breaks: a NaN loss is stopped before any checkpoint or push, and a
+dead engine is reported as a dead engine, with Ray's reason and the tail of its log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from tether.checkpoint import find_latest
+from tether.config import config_from_dict
+from tether.train import train
+from tether.trainer.nonfinite import NonFiniteError
+
+pytestmark = pytest.mark.integration
+USER_LOSS = Path(__file__).parent / "user_loss.py"
+
+
+def test_a_nan_loss_stops_before_any_checkpoint_or_push(ray_session, tiny_model_dir, addition_data, tmp_path):
+    out = tmp_path / "run"
+    raw = tiny_config(tiny_model_dir, addition_data, out, algorithm={"policy_loss": f"{USER_LOSS}:nan_after_first_rollout"},
+                      checkpoint={"save_interval": 1})
+    with pytest.raises(NonFiniteError) as err:
+        train(config_from_dict(raw))
+    text = str(err.value)
+    assert "rollout 1, optimizer step 1/2: non-finite step (loss terms:" in text and "pg_loss=nan" in text
+    assert "the gradient of" in text and "nothing was saved or pushed" in text
+    # Rollout 0 was saved and pushed (weight version 1); rollout 1 reached neither.
+    assert find_latest(out / "checkpoints")[1] == 0
+    assert not (out / "checkpoints" / "rollout_000001").exists() and not (out / "hf").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
