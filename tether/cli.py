@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from tether.config import ConfigError, TetherConfig, check_inputs, dump_config, load_config
+from tether.errors import EngineDiedError, NonFiniteError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # e.g. a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2
+    except (NonFiniteError, EngineDiedError) as err:
+        # Failures that explain themselves: their message, not a remote traceback (Ray wraps it in .cause).
+        print(f"tether: {getattr(err, 'cause', None) or err}", file=sys.stderr)
+        return 1
     return 0
 
 

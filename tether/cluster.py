@@ -12,6 +12,8 @@ a run never hangs silently.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -124,3 +126,57 @@ class ActorGroup:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+# ---------------------------------------------------------------- when an actor dies
+
+
+def _ray_logs_dir() -> Path | None:
+    """This node's Ray log folder, when this process started or joined Ray on this node."""
+    try:
+        from ray._private.worker import _global_node  # no public API names the folder
+
+        return Path(_global_node.get_logs_dir_path()) if _global_node is not None else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def log_tail(pid: int, lines: int = 15) -> str:
+    """The last lines of a Ray worker's stdout and stderr files, found by its pid."""
+    logs = _ray_logs_dir()
+    files = sorted(logs.glob(f"worker-*-{pid}.*")) if logs is not None else []
+    parts = []
+    for f in files:
+        # Ray starts each file with ":job_id:"-style marker lines; they say nothing about the death.
+        text = [line for line in f.read_text(errors="replace").splitlines()
+                if line.strip() and not line.startswith(":")][-lines:]
+        if text:
+            parts.append(f"  last lines of {f}:\n" + "\n".join(f"    {line}" for line in text))
+    if not parts:
+        where = f" in {logs}" if logs is not None else " (on its node, under /tmp/ray/session_latest/logs)"
+        return f"  its log files (worker-*-{pid}.out/.err){where} are empty or missing"
+    return "\n".join(parts)
+
+
+def death_reason(err: Exception) -> str:
+    """Ray's exit type and detail from an ActorDiedError, in one line."""
+    text = str(err)
+    kind = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text, flags=re.S)
+    if kind is None and detail is None:
+        return text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return ", ".join(m.group(1).strip() for m in (kind, detail) if m is not None)
+
+
+def dead_actors(actors: dict[str, tuple[Any, int | None]], timeout_s: float = 10.0) -> list[str]:
+    """Which of the named actors (handle, pid) are dead or unresponsive, each with Ray's reason and
+    the tail of its log: what a failed call to them should say instead of a connection error."""
+    reports = []
+    for name, (actor, pid) in actors.items():
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            reports.append(f"{name} (pid {pid}) did not answer a liveness check within {timeout_s:.0f}s")
+        except ray.exceptions.RayActorError as err:
+            reports.append(f"{name} (pid {pid}) died: {death_reason(err)}\n{log_tail(pid) if pid else ''}".rstrip())
+    return reports

@@ -32,3 +32,29 @@ def test_a_nan_loss_stops_before_any_checkpoint_or_push(ray_session, tiny_model_
     assert not (out / "checkpoints" / "rollout_000001").exists() and not (out / "hf").exists()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+
+
+def test_a_dead_engine_is_reported_with_its_exit_reason_and_log(ray_session, tiny_model_dir, addition_data, tmp_path):
+    import os
+    import signal
+
+    from tether.cluster import plan_placement
+    from tether.rollout.handle import EngineDiedError, RolloutHandle, create_engines
+
+    cfg = config_from_dict(tiny_config(tiny_model_dir, addition_data, tmp_path / "run"))
+    placement = plan_placement(cfg.cluster)
+    engines = create_engines(cfg, placement)
+    rollout = RolloutHandle(cfg, engines)
+    try:
+        rollout.generate(0)  # alive: works
+        os.kill(rollout.engine_pids[0], signal.SIGKILL)
+        with pytest.raises(EngineDiedError) as err:
+            rollout.generate(1)
+        text = str(err.value)
+        assert text.startswith("rollout.generate(rollout 1) failed because an engine process died:")
+        assert f"engine 0 (pid {rollout.engine_pids[0]}) died: SYSTEM_ERROR" in text
+        assert "last lines of" in text and f"-{rollout.engine_pids[0]}.err" in text
+        assert "lost the connection to http://127.0.0.1:" in text  # the error it caused, said plainly
+    finally:
+        rollout.shutdown()
+        placement.remove()

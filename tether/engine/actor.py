@@ -6,6 +6,7 @@ buckets from the trainer arrive as Ray calls (object-store references: shared me
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -56,7 +57,7 @@ class EngineActor:
         self.core.resume_memory(tags)
 
     def health(self) -> dict:
-        return {**self.engine.health(), **self.core.load(), "url": self._url}
+        return {**self.engine.health(), **self.core.load(), "url": self._url, "pid": os.getpid()}
 
     def shutdown(self) -> None:
         self.server.stop()

@@ -35,6 +35,13 @@ class GenerationError(RuntimeError):
     pass
 
 
+def _url(err: httpx.TransportError) -> str:
+    try:
+        return str(err.request.url)
+    except RuntimeError:  # httpx raises when the error carries no request
+        return "an engine"
+
+
 class EngineFleet:
     def __init__(self, urls: list[str], timeout_s: float):
         if not urls:
@@ -57,8 +64,11 @@ class EngineFleet:
                 outputs = future.result(timeout=self.timeout_s)
             except httpx.HTTPStatusError as err:
                 raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
-            except (httpx.TransportError, TimeoutError) as err:
+            except (httpx.TimeoutException, TimeoutError) as err:
                 raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
+            except httpx.TransportError as err:
+                raise GenerationError(f"{what}: lost the connection to {_url(err)} after {time.perf_counter() - start:.1f}s "
+                                      f"({err!r})") from None
             for i, out in zip(part, outputs):
                 s = samples[i]
                 s.response_ids = out["output_ids"]

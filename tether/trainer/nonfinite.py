@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tether.errors import NonFiniteError
 
-class NonFiniteError(RuntimeError):
-    """Training produced NaN/inf: the step was not applied, nothing was saved or pushed."""
+__all__ = ["NonFiniteError", "NonFiniteGuard", "check_weights", "first_nonfinite"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,15 @@
+"""Failures that explain themselves: the CLI prints their message (no traceback) and exits 1.
+
+They live here, below the parts that raise them and without torch or Ray, so that the CLI can
+catch them without importing the training stack.
+"""
+
+from __future__ import annotations
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN/inf: the step was not applied, nothing was saved or pushed."""
+
+
+class EngineDiedError(RuntimeError):
+    """A rollout or eval failed because an engine process died; says which, why, and its log's tail."""
