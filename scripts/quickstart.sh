@@ -10,4 +10,4 @@ export PATH="$PWD/.venv/bin:$PATH"
 python recipes/arithmetic/prepare.py --out runs/arithmetic
 tether sft --config recipes/arithmetic/sft.yaml --overwrite      # --overwrite: a rerun replaces the last one
 tether train --config recipes/arithmetic/grpo.yaml --overwrite
-python recipes/arithmetic/report.py runs/arithmetic/grpo
+tether report runs/arithmetic/grpo

@@ -1,7 +1,9 @@
 """The `tether` command.
 
-    tether train --config recipe.yaml [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
-    tether sft   --config sft.yaml    [section.field=value ...] [--overwrite] [--dry-run]
+    tether train  --config recipe.yaml [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
+    tether sft    --config sft.yaml    [section.field=value ...] [--overwrite] [--dry-run]
+    tether eval   --config recipe.yaml [section.field=value ...] [--model DIR] [--out DIR] [--dry-run]
+    tether report RUN_DIR
     tether export CKPT OUT
 """
 
@@ -13,20 +15,33 @@ import sys
 from tether.config import ConfigError, TetherConfig, check_inputs, dump_config, load_config
 from tether.errors import EngineDiedError, NonFiniteError
 
+COMMANDS = {
+    "train": "RL training (rollout -> reward -> train -> weight sync)",
+    "sft": "supervised fine-tuning through the same trainer (then the eval sets, when configured)",
+    "eval": "score a model (an HF directory or a checkpoint) on the config's eval sets",
+}
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tether", description="RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "RL training (rollout -> reward -> train -> weight sync)"),
-                       ("sft", "supervised fine-tuning through the same trainer")):
+    for name, text in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--config", "-c", help="YAML recipe")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
-        p.add_argument("--overwrite", action="store_true",
-                       help="start afresh even if output_dir holds an earlier run (its logs and checkpoints are deleted)")
+        if name in ("train", "sft"):
+            p.add_argument("--overwrite", action="store_true", help="start afresh even if output_dir holds an "
+                           "earlier run (its logs and checkpoints are deleted)")
         if name == "train":
             p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+        if name == "eval":
+            p.add_argument("--model", metavar="DIR", help="an HF model directory, a checkpoint, or a checkpoint "
+                           "root (its latest complete one); default: model.path")
+            p.add_argument("--out", metavar="DIR", help="where scores and samples go (default: <output_dir>/eval)")
+    report = sub.add_parser("report", help="eval before/after, best, warnings and curves of a run",
+                            description="eval before/after, best, warnings and curves of a run")
+    report.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     export = sub.add_parser("export", help="write a checkpoint's model as an HF directory",
                             description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
     export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
@@ -42,6 +57,21 @@ def _load(args: argparse.Namespace) -> TetherConfig:
     return cfg
 
 
+def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
+    if args.command == "train":
+        from tether.train import train
+
+        train(cfg, overwrite=args.overwrite, config_path=args.config)
+    elif args.command == "sft":
+        from tether.sft import sft
+
+        sft(cfg, overwrite=args.overwrite, config_path=args.config)
+    else:
+        from tether.evaluate import evaluate
+
+        evaluate(cfg, args.model, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
@@ -49,29 +79,23 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
         return 0
-    try:
-        cfg = _load(args)
-    except ConfigError as err:
-        print(f"tether: {err}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(dump_config(cfg), end="")
+    if args.command == "report":
+        from tether.report import report
+
+        try:
+            report(args.run_dir)
+        except FileNotFoundError as err:
+            print(f"tether: {err}", file=sys.stderr)
+            return 2
         return 0
     try:
+        cfg = _load(args)
+        if args.dry_run:
+            print(dump_config(cfg), end="")
+            return 0
         check_inputs(cfg, args.command)
-    except ConfigError as err:
-        print(f"tether: {err}", file=sys.stderr)
-        return 2
-    try:
-        if args.command == "train":
-            from tether.train import train
-
-            train(cfg, overwrite=args.overwrite, config_path=args.config)
-        else:
-            from tether.sft import sft
-
-            sft(cfg, overwrite=args.overwrite, config_path=args.config)
-    except ConfigError as err:  # e.g. a resume whose config no longer matches the checkpoint
+        _run(args, cfg)
+    except ConfigError as err:  # also a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2
     except (NonFiniteError, EngineDiedError) as err:

@@ -486,9 +486,11 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     needed = {"model.path": cfg.model.path}
     if command == "train":
         needed["data.path"] = cfg.data.path
-        needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
     elif command == "sft":
         needed["sft.path"] = cfg.sft.path
+    if command == "eval":
+        needed.pop("model.path")  # --model may name another; checked where it is resolved
+    needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
     problems = []
     for field, value in needed.items():
         if value is None:
@@ -499,7 +501,7 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
              **{f"eval.datasets[{i}].reward": d.reward for i, d in enumerate(cfg.eval.datasets)}}
     for field, spec in specs.items():
         target = (spec or "").rpartition(":")[0]
-        if command == "train" and target.endswith(".py") and not Path(target).is_file():
+        if target.endswith(".py") and not Path(target).is_file():
             problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
                             "against the file's folder, one in an override against the working directory)")
     if problems:

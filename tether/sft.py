@@ -11,6 +11,7 @@ import ray
 from tether.batch import TrainBatch
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
+from tether.evaluate import run_evals, scores_table
 from tether.rollout.data_source import read_jsonl
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           ROUND_TRIP_ROWS, render_prompt, round_trip_problems)
@@ -77,24 +78,39 @@ def sft(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = No
     if steps_per_epoch == 0:
         raise ValueError(f"sft.batch_size={bs} is larger than the {len(rows)} rows of {cfg.sft.path}")
     total = steps_per_epoch * cfg.sft.num_epoch
+    hf_dir = Path(cfg.output_dir) / "hf"
+    tracker = make_tracker(cfg, step_label="sft step")
+    with tracker:
+        for text in text_warnings:
+            tracker.warn(text)
+        train_and_export(cfg, rows, total, tracker, hf_dir)
+        if cfg.eval.datasets:
+            # The SFT model on the eval sets: the "before" of the RL run that starts from it.
+            metrics = run_evals(cfg, str(hf_dir), Path(cfg.output_dir) / "eval", step=total)
+            tracker.console = cfg.tracking.console
+            tracker.log(total, metrics, total=total)
+            print(scores_table(metrics))
+    return tracker.finish()
+
+
+def train_and_export(cfg: TetherConfig, rows: list, total: int, tracker, hf_dir: Path) -> None:
+    """The SFT steps on the trainer actors, then the model as an HF directory; the actors are gone after."""
+    bs = cfg.sft.batch_size
+    steps_per_epoch = total // cfg.sft.num_epoch
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
     try:
         trainer.init(total, with_ref=False, load_dir=None)
-        tracker = make_tracker(cfg, step_label="sft step")
-        with tracker:
-            for text in text_warnings:
-                tracker.warn(text)
-            bar = tracker.progress(total, "sft steps")
-            for step, batch in enumerate(batches(rows, bs, cfg.sft.num_epoch, cfg.seed)):
-                metrics = trainer.train(step, ray.put(batch), policy_loss="sft", global_batch_size=bs)
-                metrics["sft/epoch"] = float(step // steps_per_epoch)
-                # One line every ~5% of the run keeps the console readable; every step goes to the files.
-                tracker.console = cfg.tracking.console and ((step + 1) % max(1, total // 20) == 0 or step + 1 == total)
-                tracker.log(step + 1, metrics, total=total)
-                bar.update(1)
-            trainer.save_hf(str(Path(cfg.output_dir) / "hf"))
-        return tracker.finish()
+        bar = tracker.progress(total, "sft steps")
+        for step, batch in enumerate(batches(rows, bs, cfg.sft.num_epoch, cfg.seed)):
+            metrics = trainer.train(step, ray.put(batch), policy_loss="sft", global_batch_size=bs)
+            metrics["sft/epoch"] = float(step // steps_per_epoch)
+            # One line every ~5% of the run keeps the console readable; every step goes to the files.
+            tracker.console = cfg.tracking.console and ((step + 1) % max(1, total // 20) == 0 or step + 1 == total)
+            tracker.log(step + 1, metrics, total=total)
+            bar.update(1)
+        bar.close()
+        trainer.save_hf(str(hf_dir))
     finally:
         trainer.shutdown()
         placement.remove()

@@ -33,7 +33,7 @@ from pathlib import Path
 from tether.tiny import build_char_tokenizer, build_tiny_model
 
 # Every character is a token, and every prompt carries this line, so it is kept short.
-SYSTEM = "Solve it and put the final answer in \\boxed{}."
+SYSTEM = "Put the final answer in \\boxed{}."
 
 NAMES = [("Ann", "she"), ("Eve", "she"), ("Ivy", "she"), ("Kim", "she"), ("Liz", "she"), ("Pam", "she"),
          ("Uma", "she"), ("Zoe", "she"), ("Ben", "he"), ("Dan", "he"), ("Gus", "he"), ("Jon", "he"),
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--sloppiness", type=float, default=0.7,
                         help="how often the SFT teacher adds the numbers instead of reading the words")
     parser.add_argument("--num-train", type=int, default=20000)
-    parser.add_argument("--num-sft", type=int, default=8000)
+    parser.add_argument("--num-sft", type=int, default=16000)
     parser.add_argument("--num-eval", type=int, default=200)
     args = parser.parse_args()
     out = Path(args.out)

@@ -92,11 +92,13 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         keys = dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
                     fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
-        if d.path is None:
-            raise ValueError("data.path is required for RL training (a JSONL file of prompts)")
-        rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
-        self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
-                               n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
+        # Without prompt data the manager only evaluates (`tether eval`, the eval at the end of `tether sft`).
+        self.data: DataSource | None = None
+        self.filtered = 0
+        if d.path is not None:
+            rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
+            self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
+                                   n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
         self.reward_fn = load_reward_fn(r.reward)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
@@ -107,17 +109,23 @@ class RolloutManager:
         self.health = RolloutHealth(r.n_samples_per_prompt)
 
     def num_rollout_per_epoch(self) -> int:
-        return self.data.num_rollout_per_epoch
+        return self._require_data().num_rollout_per_epoch
+
+    def _require_data(self) -> DataSource:
+        if self.data is None:
+            raise ValueError("data.path is required for RL training (a JSONL file of prompts)")
+        return self.data
 
     def data_info(self) -> dict:
-        return {"train_rows": len(self.data.rows), "filtered_long_prompts": self.filtered,
+        return {"train_rows": len(self.data.rows) if self.data else 0, "filtered_long_prompts": self.filtered,
                 "eval_rows": {e.cfg.name: len(e.rows) for e in self.eval_sets}, "warnings": self._check_text()}
 
     def _check_text(self) -> list[str]:
         """Warnings for prompts and labels that the tokenizer does not give back as they are."""
-        paths = [self.cfg.data.path, *(e.cfg.path for e in self.eval_sets)]
-        items = [(f"{path}:{row.line}", what, text)
-                 for path, rows in zip(paths, [self.data.rows, *(e.rows for e in self.eval_sets)])
+        sets = [(e.cfg.path, e.rows) for e in self.eval_sets]
+        if self.data is not None:
+            sets.insert(0, (self.cfg.data.path, self.data.rows))
+        items = [(f"{path}:{row.line}", what, text) for path, rows in sets
                  for row in rows[:ROUND_TRIP_ROWS]
                  for what, text in (("prompt", row.text), ("label", row.label)) if isinstance(text, str)]
         return round_trip_problems(self.tokenizer, items)
@@ -125,8 +133,9 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """Samples for one rollout, scored. Called with num_returns=2: the batch stays in the object store."""
         r = self.cfg.rollout
-        epoch = self.data.epoch
-        samples = self.data.next_samples()
+        data = self._require_data()
+        epoch = data.epoch
+        samples = data.next_samples()
         metrics = self.fleet.generate(samples, self.params, r.n_samples_per_prompt, self._seed(rollout_id, 0),
                                       f"rollout {rollout_id}")
         start = time.perf_counter()
@@ -187,11 +196,11 @@ class RolloutManager:
 
     # ------------------------------------------------------------ state and memory
     def save_state(self, ckpt_dir: str) -> None:
-        (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self.data.state_dict()))
+        (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self._require_data().state_dict()))
 
     def load_state(self, ckpt_dir: str) -> dict:
         state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
-        self.data.load_state_dict(state)
+        self._require_data().load_state_dict(state)
         return state
 
     def release_memory(self, tags: list[str]) -> None:

@@ -1,0 +1,84 @@
+"""`tether eval`: score a model on a config's eval sets, with the engines and rewards a run uses.
+
+    tether eval --config grpo.yaml --model runs/x/hf            # an HF model directory
+    tether eval --config grpo.yaml --model runs/x/checkpoints   # a checkpoint (the latest complete one)
+
+The model is served by the config's engines and each eval set is generated, scored and dumped as in
+a training run's eval: scores, the constant-answer baseline and per-answer counts, written under
+``<out>`` (eval.json, rollouts/). `tether sft` calls ``run_evals`` on its exported model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tether.checkpoint import META, find_latest
+from tether.cluster import plan_placement
+from tether.config import ConfigError, TetherConfig, config_from_dict
+
+
+def model_dir(source: str, out: Path) -> str:
+    """An HF directory for ``source``: as is, or exported from a checkpoint (or a root holding some)."""
+    path = Path(source)
+    if (path / "config.json").is_file():
+        return str(path)
+    if (path / META).is_file() or find_latest(path) is not None:
+        from tether.export import export_checkpoint
+
+        return str(export_checkpoint(path, out / "model"))
+    raise ConfigError(f"--model {source}: neither an HF model directory (config.json) nor a checkpoint")
+
+
+def scores_table(metrics: dict) -> str:
+    names = sorted({k.split("/")[1] for k in metrics if k.startswith("eval/") and k.endswith("/score")})
+    lines = [f"{'eval set':<16} {'score':>8} {'constant answer':>16} {'top answer share':>17}"]
+    for name in names:
+        lines.append(f"{name:<16} {metrics[f'eval/{name}/score']:>8.3f} "
+                     f"{metrics.get(f'eval/{name}/constant_answer_score', float('nan')):>16.3f} "
+                     f"{metrics.get(f'eval/{name}/top_answer_share', float('nan')):>17.3f}")
+    return "\n".join(lines)
+
+
+def run_evals(cfg: TetherConfig, model_path: str, out: Path, step: int = 0) -> dict:
+    """Serve ``model_path`` on the config's engines and run every eval set once; returns the metrics
+    (with "warnings"). Starts Ray when it is not running; leaves it running for the caller."""
+    from tether.rollout.handle import RolloutHandle, create_engines
+
+    raw = cfg.model_dump(mode="json")
+    raw["model"]["path"] = model_path
+    raw["output_dir"] = str(out)
+    cfg = config_from_dict(raw, "eval")
+    placement = plan_placement(cfg.cluster)
+    engines = create_engines(cfg, placement)
+    rollout = None
+    try:
+        rollout = RolloutHandle(cfg, engines)
+        return rollout.eval(step)
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+        else:
+            import ray
+
+            for engine in engines:
+                ray.kill(engine)
+        placement.remove()
+
+
+def evaluate(cfg: TetherConfig, model: str | None, out: str | None) -> dict:
+    """`tether eval`: the scores of ``model`` (default model.path), printed and written to <out>/eval.json."""
+    if not cfg.eval.datasets:
+        raise ConfigError("tether eval: the config has no eval.datasets to score")
+    out_dir = Path(out or Path(cfg.output_dir) / "eval")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir(model or cfg.model.path, out_dir)
+    metrics = run_evals(cfg, path, out_dir)
+    warnings = metrics.pop("warnings", [])
+    for text in warnings:
+        print(f"!! WARNING: {text}", file=sys.stderr)
+    print(f"model {path}\n{scores_table(metrics)}\nsamples and per-answer counts: {out_dir / 'rollouts'}")
+    result = {"model": path, "metrics": metrics, "warnings": warnings}
+    (out_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
