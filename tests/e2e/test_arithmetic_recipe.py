@@ -38,3 +38,8 @@ def test_arithmetic_recipe_learns(tmp_path):
     assert (out / "grpo" / "curves.png").is_file() and (out / "grpo" / "hf" / "model.safetensors").is_file()
     summary = json.loads((out / "grpo" / "summary.json").read_text())
     assert summary["run_name"] == "grpo"
+    # A healthy run: none of the can't-learn warnings (constant rewards, dead groups, truncation, collapse).
+    assert summary["warnings"] == [], summary["warnings"]
+    # The eval's constant-answer baseline is far below what the model reaches: skill, not a constant.
+    last = [r for r in rows if r.get("eval/add2/constant_answer_score") is not None][-1]
+    assert last["eval/add2/constant_answer_score"] < 0.05
