@@ -25,10 +25,12 @@ def test_arithmetic_recipe_learns(tmp_path):
     out = tmp_path / "arith"
     run(str(RECIPE / "prepare.py"), "--out", str(out))
     run("-m", "tether.cli", "sft", "--config", str(RECIPE / "sft.yaml"), f"output_dir={out}/sft",
-        f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl", "tracking.tensorboard=false")
+        f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl", "tracking.tensorboard=false",
+        f"eval.datasets=[{{name: add2, path: {out}/data/eval.jsonl, temperature: 0.0, max_response_len: 5}}]")
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl",
         f"eval.datasets=[{{name: add2, path: {out}/data/eval.jsonl, temperature: 0.0, max_response_len: 5}}]")
+    run("-m", "tether.cli", "report", str(out / "grpo"))
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     scores = [(r["step"], r["eval/add2/score"]) for r in rows if r.get("eval/add2/score") is not None]
     before, after = scores[0][1], scores[-1][1]
@@ -36,6 +38,9 @@ def test_arithmetic_recipe_learns(tmp_path):
     # The SFT model copies a teacher that forgets carries; RL must fix a good part of that.
     assert after - before >= 0.20, scores
     assert (out / "grpo" / "curves.png").is_file() and (out / "grpo" / "hf" / "model.safetensors").is_file()
+    # `tether sft` scored the eval set at its end: the same model, the same greedy score as GRPO's step 0.
+    sft_rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/add2/score"] for r in sft_rows if r.get("eval/add2/score") is not None] == [before]
     summary = json.loads((out / "grpo" / "summary.json").read_text())
     assert summary["run_name"] == "grpo"
     # A healthy run: none of the can't-learn warnings (constant rewards, dead groups, truncation, collapse).

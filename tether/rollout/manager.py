@@ -67,15 +67,18 @@ class EvalSet:
                                      max_new_tokens=cfg.max_response_len)
         self._constant_scores: dict[str, float] = {}
 
-    def constant_answer_score(self, samples: list[Sample], candidates: list[str]) -> tuple[str, float]:
-        """The best score one fixed answer given to every prompt would get (the answer, its score):
-        what a run that collapsed onto a single answer scores, for comparison with the real score."""
+    def constant_answer_score(self, samples: list[Sample], answers: Counter) -> float:
+        """The best score one fixed answer given to every prompt would get: what a run that collapsed
+        onto a single answer scores. Tried: the model's 3 most common answers and the 3 most common
+        labels (each scored once per eval set, then cached)."""
+        labels = Counter(str(s.label) for s in samples if s.label is not None)
+        candidates = list(dict.fromkeys([a for a, _ in answers.most_common(3)] + [a for a, _ in labels.most_common(3)]))
         for answer in candidates:
             if answer not in self._constant_scores:
                 copies = [replace(s, response_text=answer, metadata=dict(s.metadata)) for s in samples]
                 self._constant_scores[answer] = statistics.fmean(
                     compute_rewards(self.reward_fn, copies, self.reward_spec))
-        return max(((a, self._constant_scores[a]) for a in candidates), key=lambda item: item[1])
+        return max(self._constant_scores[a] for a in candidates)
 
     def samples(self) -> list[Sample]:
         return [
@@ -164,10 +167,7 @@ class RolloutManager:
             score = metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
             answers = answer_counts(samples)
-            labels = [str(s.label) for s in samples if s.label is not None]
-            candidates = [a for a, _ in answers.most_common(3)] + [a for a, _ in Counter(labels).most_common(3)]
-            _, constant = eval_set.constant_answer_score(samples, list(dict.fromkeys(candidates)))
-            metrics[f"eval/{name}/constant_answer_score"] = constant
+            constant = metrics[f"eval/{name}/constant_answer_score"] = eval_set.constant_answer_score(samples, answers)
             health, warnings = self.health.after_eval(name, samples, score, constant)
             metrics.update(health)
             metrics["warnings"] += warnings
