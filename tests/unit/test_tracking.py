@@ -270,3 +270,19 @@ def test_plot_curves_single_row_and_missing_panels(tmp_path: Path, row: dict[str
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(row) + "\n")
     _assert_png(plot_curves(path, tmp_path / "curves.png"), min_bytes=2_000)
+
+
+def test_warnings_stand_out_and_reach_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _tracker(tmp_path / "run", console=True) as t:
+        t.warn("the prompts do not survive the tokenizer\n  train.jsonl:3 prompt: 'a b' comes back as 'ab'")
+        t.log(1, {"rollout/reward_mean": 0.0, "warnings": ["all 16 rewards of rollout 0 are 0.0\n  example ..."]})
+        summary = t.finish()
+    err = capsys.readouterr().err
+    assert "!! WARNING:\n!!   the prompts do not survive" in err
+    assert "!! WARNING at rollout 1:\n!!   all 16 rewards of rollout 0 are 0.0" in err
+    assert [w["step"] for w in summary["warnings"]] == [None, 1]
+    assert "warnings" not in _rows(tmp_path / "run" / "metrics.jsonl")[0]  # never a metric
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["warnings"][1]["message"].startswith("all 16 rewards")
+    box = format_summary(summary)
+    assert "WARNINGS (2); the full texts are in summary.json" in box and "step 1: all 16 rewards" in box
