@@ -152,7 +152,7 @@ def main() -> None:
     (out / "data").mkdir(parents=True, exist_ok=True)
     counts = make_data(out / "data", args.seed, args.sloppiness, args.num_train, args.num_sft, args.num_eval)
     tokenizer = build_char_tokenizer(chat_template=True)
-    # Prompts run to ~150 characters and responses to ~30: 256 positions hold both.
+    # Prompts run to ~130 tokens (one per character) and responses to 26: 256 positions hold both.
     build_tiny_model(out / "base", tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=384, max_positions=256, seed=args.seed)
     print(f"[prepare] data {counts} and base model in {out}")

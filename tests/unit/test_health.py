@@ -36,13 +36,20 @@ def test_first_rollout_constant_reward_names_the_reward_function():
     assert len(again) == 1 and "all 16 rewards of rollout 3 are 1.0" in again[0]
 
 
-def test_zero_variance_groups_warn_after_a_streak():
+def test_failing_groups_warn_after_a_streak():
     health = RolloutHealth(4)
-    # Half the groups all right, half all wrong: rewards differ, but no group has any variance.
-    grouped = [1.0] * 4 + [0.0] * 4 + [1.0] * 4 + [0.0] * 4
+    # Nine groups fail on every sample, one succeeds on every sample: rewards differ, no group varies.
+    grouped = [0.0] * 36 + [1.0] * 4
     fired = [health.after_rollout(k, samples(grouped))[1] for k in range(6)]
     assert [len(w) for w in fired] == [0, 0, 0, 0, 1, 0]
-    assert "100% of groups had all-equal rewards in each of the last 5 rollouts" in fired[4][0]
+    assert "90% of groups failed every sample in each of the last 5 rollouts" in fired[4][0]
+    assert health.after_rollout(6, samples(grouped))[0]["rollout/zero_std_group_frac"] == 1.0
+
+
+def test_solved_groups_are_not_a_warning():
+    health = RolloutHealth(4)
+    solved = [1.0] * 36 + [0.0] * 4  # most groups right on every sample: the task is learned
+    assert all(health.after_rollout(k, samples(solved))[1] == [] for k in range(8))
 
 
 def test_truncated_responses_warn():

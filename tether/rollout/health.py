@@ -1,7 +1,7 @@
 """Signs that a run cannot learn, raised as warnings with a sample beside them.
 
 A GRPO step learns only from differences between the rewards of a group. When every reward is the
-same, when most groups are all-equal for many rollouts, or when most responses are cut off, the
+same, when most groups fail on every sample for many rollouts, or when most responses are cut off, the
 loss and gradient are zero or meaningless and the console would only show zeros. When the greedy
 eval answers more and more prompts with one answer while the policy's entropy falls, the run is
 collapsing onto that answer, which can look like learning when that answer is often right.
@@ -22,7 +22,7 @@ from tether.rollout.sample import Sample
 @dataclass
 class HealthThresholds:
     zero_std_frac: float = 0.8
-    """Share of groups whose rewards are all equal ..."""
+    """Share of groups whose samples all got the low reward (all-equal, below the rollout's mid-range) ..."""
     zero_std_rollouts: int = 5
     """... for this many rollouts in a row."""
     truncated_frac: float = 0.5
@@ -81,12 +81,16 @@ class RolloutHealth:
     def after_rollout(self, rollout_id: int, samples: list[Sample]) -> tuple[dict[str, float], list[str]]:
         """Metrics of the rollout's learning signal and the warnings that start with it."""
         groups = group_rewards(samples, self.group_size)
-        zero_std = sum(len(set(g)) == 1 for g in groups) / len(groups)
+        flat = [g[0] for g in groups if len(set(g)) == 1]
+        zero_std = len(flat) / len(groups)
+        # Groups that all fail are a run that cannot learn; groups that all succeed are a solved task.
+        low, high = min(float(s.reward) for s in samples), max(float(s.reward) for s in samples)
+        failing = sum(v < (low + high) / 2 for v in flat) / len(groups) if high > low else zero_std
         truncated = sum(s.finish_reason == "length" for s in samples) / len(samples)
         entropy = neg_logprob_mean(samples)
         self._first_entropy = entropy if self._first_entropy is None else self._first_entropy
         self._last_entropy = entropy
-        self._zero_std_streak = self._zero_std_streak + 1 if zero_std >= self.limits.zero_std_frac else 0
+        self._zero_std_streak = self._zero_std_streak + 1 if failing >= self.limits.zero_std_frac else 0
         first = self._rollouts_seen == 0
         self._rollouts_seen += 1
         rewards = {float(s.reward) for s in samples}
@@ -104,11 +108,10 @@ class RolloutHealth:
         streak = self.limits.zero_std_rollouts
         if self._onset("zero_std", self._zero_std_streak >= streak) and len(rewards) > 1:
             mean = statistics.fmean(float(s.reward) for s in samples)
-            warnings.append(f"{zero_std:.0%} of groups had all-equal rewards in each of the last {streak} rollouts "
-                            f"(mean reward now {mean:.3f}): they give no gradient. If their rewards are high the "
-                            "task is solved for those prompts; if low, the model never succeeds on them (more SFT, "
-                            "a higher temperature, more samples per prompt, or a check of the reward)\n"
-                            + describe(samples[0]))
+            warnings.append(f"{failing:.0%} of groups failed every sample in each of the last {streak} rollouts "
+                            f"(mean reward now {mean:.3f}): all-equal rewards give GRPO no gradient, so the model "
+                            "does not learn on those prompts. More SFT, a higher temperature, more samples per "
+                            "prompt, easier prompts, or a check of the reward\n" + describe(samples[0]))
         if self._onset("truncated", truncated > self.limits.truncated_frac):
             cut = next(s for s in samples if s.finish_reason == "length")
             warnings.append(f"{truncated:.0%} of the responses of rollout {rollout_id} hit max_response_len "
