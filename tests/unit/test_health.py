@@ -32,8 +32,15 @@ def test_first_rollout_constant_reward_names_the_reward_function():
     # Still constant: no repeat while the condition holds; again after it cleared and came back.
     assert health.after_rollout(1, samples([0.0] * 16))[1] == []
     assert health.after_rollout(2, healthy(random.Random(0)))[1] == []
-    again = health.after_rollout(3, samples([1.0] * 16))[1]
-    assert len(again) == 1 and "all 16 rewards of rollout 3 are 1.0" in again[0]
+    again = health.after_rollout(3, samples([0.0] * 16))[1]
+    assert len(again) == 1 and "all 16 rewards of rollout 3 are 0.0" in again[0]
+
+
+def test_a_batch_solved_at_the_best_reward_is_not_a_warning():
+    health = RolloutHealth(4)
+    assert health.after_rollout(0, samples([0.0, 1.0] * 8))[1] == []
+    assert health.after_rollout(1, samples([1.0] * 16))[1] == []
+    assert health.after_rollout(2, samples([0.5] * 16))[1] != []
 
 
 def test_failing_groups_warn_after_a_streak():
@@ -62,14 +69,14 @@ def test_eval_collapse_needs_a_rising_share_and_falling_entropy():
     health = RolloutHealth(4)
     varied = [str(i) for i in range(16)]
     health.after_rollout(0, samples([0.0, 1.0] * 8, logprob=-0.5))
-    metrics, warnings = health.after_eval("task", samples([0.0] * 16, texts=varied), 0.0, 0.25)
+    metrics, warnings = health.after_eval("task", samples([0.0, 1.0] * 8, texts=varied), 0.5, 0.25)
     assert metrics["eval/task/top_answer_share"] == 1 / 16 and warnings == []
     collapsed = ["7"] * 14 + ["1", "2"]
     # Share up but entropy unchanged: not a collapse yet.
     health.after_rollout(1, samples([0.0, 1.0] * 8, logprob=-0.5))
-    assert health.after_eval("task", samples([0.0] * 16, texts=collapsed), 0.25, 0.25)[1] == []
+    assert health.after_eval("task", samples([0.0, 1.0] * 8, texts=collapsed), 0.25, 0.25)[1] == []
     health.after_rollout(2, samples([0.0, 1.0] * 8, logprob=-0.1))
-    _, warnings = health.after_eval("task", samples([0.0] * 16, texts=collapsed), 0.25, 0.25)
+    _, warnings = health.after_eval("task", samples([0.0, 1.0] * 8, texts=collapsed), 0.25, 0.25)
     assert len(warnings) == 1 and "88% of its responses are '7'" in warnings[0]
     assert "best constant answer scores 0.250" in warnings[0]
 
@@ -79,4 +86,15 @@ def test_a_healthy_run_gets_no_warning():
     for k in range(30):
         assert health.after_rollout(k, healthy(rng))[1] == []
         texts = [str(rng.randint(0, 99)) for _ in range(16)]
-        assert health.after_eval("task", samples([0.0] * 16, texts=texts), 0.5, 0.1)[1] == []
+        scored = samples([float(rng.random() < 0.5) for _ in range(16)], texts=texts)
+        assert health.after_eval("task", scored, 0.5, 0.1)[1] == []
+
+
+def test_first_eval_scoring_every_sample_alike_names_the_reward():
+    health = RolloutHealth(4)
+    texts = [str(i) for i in range(16)]
+    _, warnings = health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")
+    assert len(warnings) == 1 and "eval 'add2' scored 0.0 on every one of its 16 samples" in warnings[0]
+    assert "the reward 'math'" in warnings[0] and "label    'x y'" in warnings[0]
+    # Only the first eval of a set: later all-zero evals are a model that got worse, not a wrong reward.
+    assert health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")[1] == []

@@ -68,6 +68,7 @@ class RolloutHealth:
     _first_entropy: float | None = None
     _last_entropy: float | None = None
     _first_share: dict = field(default_factory=dict)
+    _best_reward: float | None = None
 
     def _onset(self, key: str, condition: bool) -> bool:
         """True only on the rollout where ``condition`` becomes true."""
@@ -94,8 +95,11 @@ class RolloutHealth:
         first = self._rollouts_seen == 0
         self._rollouts_seen += 1
         rewards = {float(s.reward) for s in samples}
+        # Every sample at the best reward seen so far is a solved batch, not a broken signal.
+        solved = not first and self._best_reward is not None and min(rewards) >= self._best_reward
+        self._best_reward = max(rewards | ({self._best_reward} if self._best_reward is not None else set()))
         warnings = []
-        if self._onset("all_equal", len(rewards) == 1):
+        if self._onset("all_equal", len(rewards) == 1 and not solved):
             value = next(iter(rewards))
             if first:
                 warnings.append(f"the reward function returned {value} for every one of the {len(samples)} samples "
@@ -120,9 +124,17 @@ class RolloutHealth:
         metrics = {"rollout/zero_std_group_frac": zero_std, "rollout/neg_logprob_mean": entropy}
         return metrics, warnings
 
-    def after_eval(self, name: str, samples: list[Sample], score: float,
-                   constant_score: float) -> tuple[dict[str, float], list[str]]:
-        """Metrics of how varied the eval's answers are and a warning when they collapse onto one."""
+    def after_eval(self, name: str, samples: list[Sample], score: float, constant_score: float,
+                   reward_spec: str = "") -> tuple[dict[str, float], list[str]]:
+        """Metrics of how varied the eval's answers are; warnings when the first eval of a set scores
+        every sample alike (a reward that does not fit its answers) or when the answers collapse onto one."""
+        warnings = []
+        rewards = {float(s.reward) for s in samples}
+        if name not in self._first_share and len(rewards) == 1 and len(samples) > 1:
+            warnings.append(f"eval {name!r} scored {score} on every one of its {len(samples)} samples at its first "
+                            f"eval, with the reward {reward_spec!r}: check that this reward reads the set's "
+                            "answers as they are (eval.datasets[].reward; unset, it is rollout.reward), or the "
+                            "model never answers right\n" + describe(samples[0]))
         counts = answer_counts(samples)
         top, top_count = counts.most_common(1)[0]
         share = top_count / len(samples)
@@ -130,7 +142,6 @@ class RolloutHealth:
         entropy_fell = (self._first_entropy is not None and self._last_entropy is not None
                         and self._last_entropy < self.limits.collapse_entropy_ratio * self._first_entropy)
         collapsing = share >= self.limits.collapse_share and share - first >= self.limits.collapse_rise and entropy_fell
-        warnings = []
         if self._onset(f"collapse/{name}", collapsing):
             example = next(s for s in samples if s.response_text.strip() == top)
             warnings.append(f"eval {name!r} may be collapsing onto one answer: {share:.0%} of its responses are "
