@@ -52,7 +52,7 @@ def one(task: str, size: str, out_root: Path, tag: str, sft_overrides: list[str]
                      *sft_overrides], log)
     grpo_s = run(["-m", "tether.cli", "train", "--config", str(SUITE / "grpo.yaml"), "--overwrite",
                   f"output_dir={run_dir}/grpo", f"model.path={sft_dir}/hf", f"data.path={data}/train.jsonl",
-                  f"eval.datasets=[{{name: task, path: {data}/eval.jsonl, temperature: 0.0, max_response_len: 8}}]",
+                  f"eval.datasets.0.path={data}/eval.jsonl",
                   *grpo_overrides], log)
     rows = [json.loads(line) for line in (run_dir / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r.get("eval/task/score") is not None]

@@ -401,16 +401,24 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Set dotted-path overrides on a raw (unvalidated) config dict."""
+    """Set dotted-path overrides on a raw (unvalidated) config dict; a number picks a list item, so
+    ``eval.datasets.0.path=x`` changes one field of the first eval set and keeps the others."""
     for text in overrides:
         path, value = _parse_override(text)
         node = raw
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"override {text!r}: {'.'.join(path[:depth])} is a list of {len(node)} "
+                                      f"items; {part!r} is not the index of one")
+                part = int(part)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[:depth])!r} is a value, not a section")
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
     return raw
 
 

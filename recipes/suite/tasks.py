@@ -5,8 +5,9 @@ answer most of the time (``sloppiness``). SFT on the teacher's answers learns bo
 the wrong procedure, the wrong one more strongly, so greedy decoding starts out mostly wrong while
 sampling is sometimes right: exactly the gap that RL with a verifiable reward (exact match against
 the true answer) should close. In each task the teacher's mistake changes the answer on nearly
-every prompt, so an improvement can only come from doing the task, and the eval's
-constant-answer baseline (always giving the most common answer) stays far below the scores.
+every prompt, so an improvement can only come from doing the task. The eval's constant-answer
+baseline (always giving the most common answer) is near zero for three tasks and 50% for parity,
+whose answer is one of two words: there, only a score well above 50% is skill.
 
     reverse   "rev:abcde="   -> "edcba"     teacher reverses only the middle ("adcbe")
     max       "max:37 82 15=" -> "82"       teacher compares the last digits ("15")

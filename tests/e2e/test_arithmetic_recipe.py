@@ -26,10 +26,10 @@ def test_arithmetic_recipe_learns(tmp_path):
     run(str(RECIPE / "prepare.py"), "--out", str(out))
     run("-m", "tether.cli", "sft", "--config", str(RECIPE / "sft.yaml"), f"output_dir={out}/sft",
         f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl", "tracking.tensorboard=false",
-        f"eval.datasets=[{{name: add2, path: {out}/data/eval.jsonl, temperature: 0.0, max_response_len: 5}}]")
+        f"eval.datasets.0.path={out}/data/eval.jsonl")
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl",
-        f"eval.datasets=[{{name: add2, path: {out}/data/eval.jsonl, temperature: 0.0, max_response_len: 5}}]")
+        f"eval.datasets.0.path={out}/data/eval.jsonl")
     run("-m", "tether.cli", "report", str(out / "grpo"))
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     scores = [(r["step"], r["eval/add2/score"]) for r in rows if r.get("eval/add2/score") is not None]

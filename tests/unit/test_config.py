@@ -197,6 +197,14 @@ def test_override_creates_nested_sections():
     assert raw["model"] == {"path": "m"}
 
 
+def test_override_indexes_a_list_and_keeps_the_item_fields():
+    raw = {"eval": {"datasets": [{"name": "a", "path": "x", "reward": "exact_match"}]}}
+    apply_overrides(raw, ["eval.datasets.0.path=y"])
+    assert raw["eval"]["datasets"] == [{"name": "a", "path": "y", "reward": "exact_match"}]
+    with pytest.raises(ConfigError, match="eval.datasets is a list of 1 items; '1' is not the index"):
+        apply_overrides(raw, ["eval.datasets.1.path=z"])
+
+
 def test_override_wins_over_file(tmp_path):
     path = _write(tmp_path, "model:\n  path: m\nrollout:\n  temperature: 0.9\n  top_k: 5\n")
     cfg = load_config(path, ["rollout.temperature=0.5"])
