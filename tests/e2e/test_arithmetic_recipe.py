@@ -45,6 +45,8 @@ def test_arithmetic_recipe_learns(tmp_path):
     assert summary["run_name"] == "grpo"
     # A healthy run: none of the can't-learn warnings (constant rewards, dead groups, truncation, collapse).
     assert summary["warnings"] == [], summary["warnings"]
+    sft_warnings = json.loads((out / "sft" / "summary.json").read_text())["warnings"]
+    assert sft_warnings == [], sft_warnings
     # The eval's constant-answer baseline is far below what the model reaches: skill, not a constant.
     last = [r for r in rows if r.get("eval/add2/constant_answer_score") is not None][-1]
     assert last["eval/add2/constant_answer_score"] < 0.05
