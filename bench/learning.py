@@ -4,6 +4,7 @@
     python bench/learning.py --sizes tiny,4m --tasks reverse,max
     python bench/learning.py --grpo train.lr=1e-4 --tag lr1e-4 --reuse-sft   # one GRPO knob changed
     python bench/learning.py --sft sft.num_epoch=2 --tag sft2    # the SFT budget
+    python bench/learning.py --show                              # the table of every run so far
 
 Prints, per run: the eval accuracy of the SFT model (GRPO's step 0), after GRPO, the best, the
 constant-answer baseline (the best score of always giving one answer), the share of the most
@@ -70,10 +71,11 @@ def table(results: list[dict]) -> str:
             f"| warnings | SFT time | GRPO time |\n|{'---|' * 12}")
     lines = [head]
     for r in results:
+        sft_time = f"{r['sft_s']:.0f} s" if r["sft_s"] else "reused"
         lines.append(f"| {r['task']} | {r['size']} | {r['tag'] or 'defaults'} | {100 * r['before']:.1f}% | "
                      f"{100 * r['after']:.1f}% | {100 * (r['after'] - r['before']):+.1f} | {100 * r['best']:.1f}% | "
                      f"{100 * r['constant']:.1f}% | {100 * r['top_share']:.1f}% | {r['warnings']} | "
-                     f"{r['sft_s']:.0f} s | {r['grpo_s']:.0f} s |")
+                     f"{sft_time} | {r['grpo_s']:.0f} s |")
     return "\n".join(lines)
 
 
@@ -87,7 +89,12 @@ def main() -> None:
     parser.add_argument("--grpo", nargs="*", default=[], metavar="section.field=value", help="GRPO overrides")
     parser.add_argument("--reuse-sft", action="store_true",
                         help="start GRPO from the defaults' SFT model of each task (for GRPO-only knobs)")
+    parser.add_argument("--show", action="store_true", help="print the table of results.jsonl and exit")
     args = parser.parse_args()
+    if args.show:
+        lines = (Path(args.out) / "results.jsonl").read_text().splitlines()
+        print(table([json.loads(line) for line in lines]))
+        return
     results = []
     for size in args.sizes.split(","):
         for task in args.tasks.split(","):
