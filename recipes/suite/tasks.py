@@ -4,8 +4,9 @@ Every task is a prompt generator, the true answer, and a teacher that gives a pl
 answer most of the time (``sloppiness``). SFT on the teacher's answers learns both the right and
 the wrong procedure, the wrong one more strongly, so greedy decoding starts out mostly wrong while
 sampling is sometimes right: exactly the gap that RL with a verifiable reward (exact match against
-the true answer) should close. In each task the teacher's mistake changes the answer on nearly
-every prompt, so an improvement can only come from doing the task. The eval's constant-answer
+the true answer) should close. The teacher's mistake changes the answer on nearly every prompt of reverse
+and precedence, on two of three of max and on half of parity, so an improvement can only come
+from doing the task. The eval's constant-answer
 baseline (always giving the most common answer) is near zero for three tasks and 50% for parity,
 whose answer is one of two words: there, only a score well above 50% is skill.
 
