@@ -72,7 +72,9 @@ class TrainActor:
 
     def setup_distributed(self, master_addr: str, master_port: int) -> None:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        backend = "nccl" if self.device == "cuda" else "gloo"
+        # On GPUs, gloo beside NCCL: the scalar metric reductions and the non-finite checks reduce
+        # small CPU tensors, which NCCL alone refuses.
+        backend = "cpu:gloo,cuda:nccl" if self.device == "cuda" else "gloo"
         if self.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
         dist.init_process_group(backend, rank=self.rank, world_size=self.world,
