@@ -69,7 +69,7 @@ def test_eval_collapse_needs_a_rising_share_and_falling_entropy():
     health = RolloutHealth(4)
     varied = [str(i) for i in range(16)]
     health.after_rollout(0, samples([0.0, 1.0] * 8, logprob=-0.5))
-    metrics, warnings = health.after_eval("task", samples([0.0, 1.0] * 8, texts=varied), 0.5, 0.25)
+    metrics, warnings = health.after_eval("task", samples([0.0, 1.0] * 8, texts=varied), 0.25, 0.25)
     assert metrics["eval/task/top_answer_share"] == 1 / 16 and warnings == []
     collapsed = ["7"] * 14 + ["1", "2"]
     # Share up but entropy unchanged: not a collapse yet.
@@ -98,3 +98,14 @@ def test_first_eval_scoring_every_sample_alike_names_the_reward():
     assert "the reward 'math'" in warnings[0] and "label    'x y'" in warnings[0]
     # Only the first eval of a set: later all-zero evals are a model that got worse, not a wrong reward.
     assert health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")[1] == []
+
+
+def test_an_eval_falling_below_its_best_warns_once():
+    health, texts = RolloutHealth(4), [str(i) for i in range(16)]
+    scores = [(0, 0.50), (10, 0.90), (20, 0.85), (30, 0.78), (40, 0.70), (50, 0.95), (60, 0.80)]
+    fired = {step: health.after_eval("task", samples([0.0, 1.0] * 8, texts=texts), score, 0.1, step=step)[1]
+             for step, score in scores}
+    # 0.85 is noise; 0.78 is 0.12 below the best of step 10 and warns; 0.70 is the same fall, not a new one.
+    assert [step for step, w in fired.items() if w] == [30, 60]
+    assert fired[30][0].startswith("eval 'task' fell to 0.780 at step 30, from its best 0.900 at step 10")
+    assert "from its best 0.950 at step 50" in fired[60][0]

@@ -4,7 +4,9 @@ A GRPO step learns only from differences between the rewards of a group. When ev
 same, when most groups fail on every sample for many rollouts, or when most responses are cut off, the
 loss and gradient are zero or meaningless and the console would only show zeros. When the greedy
 eval answers more and more prompts with one answer while the policy's entropy falls, the run is
-collapsing onto that answer, which can look like learning when that answer is often right.
+collapsing onto that answer, which can look like learning when that answer is often right. When an
+eval score falls well below its best, training is making the policy worse (often a learning rate too
+high for the task), and the final score alone would hide that the run was better earlier.
 
 Each check warns when its condition starts (and again if it returns after clearing); the warning
 shows one sample's prompt, response, label and reward so the cause is visible.
@@ -33,6 +35,8 @@ class HealthThresholds:
     """... having risen by at least this much since the first eval ..."""
     collapse_entropy_ratio: float = 0.7
     """... while the sampled tokens' entropy fell below this fraction of the first rollout's."""
+    regression_drop: float = 0.1
+    """An eval score this far (absolute) below the set's best so far: training is making it worse."""
 
 
 def _excerpt(value: object, limit: int = 160) -> str:
@@ -69,6 +73,7 @@ class RolloutHealth:
     _last_entropy: float | None = None
     _first_share: dict = field(default_factory=dict)
     _best_reward: float | None = None
+    _best_eval: dict = field(default_factory=dict)
 
     def _onset(self, key: str, condition: bool) -> bool:
         """True only on the rollout where ``condition`` becomes true."""
@@ -125,10 +130,11 @@ class RolloutHealth:
         return metrics, warnings
 
     def after_eval(self, name: str, samples: list[Sample], score: float, constant_score: float,
-                   reward_spec: str = "") -> tuple[dict[str, float], list[str]]:
+                   reward_spec: str = "", step: int = 0) -> tuple[dict[str, float], list[str]]:
         """Metrics of how varied the eval's answers are; warnings when the first eval of a set scores
-        every sample alike (a reward that does not fit its answers) or when the answers collapse onto one."""
-        warnings = []
+        every sample alike (a reward that does not fit its answers), when its score falls well below
+        its best, or when the answers collapse onto one."""
+        warnings = self._regression(name, score, step)
         rewards = {float(s.reward) for s in samples}
         if name not in self._first_share and len(rewards) == 1 and len(samples) > 1:
             warnings.append(f"eval {name!r} scored {score} on every one of its {len(samples)} samples at its first "
@@ -151,6 +157,17 @@ class RolloutHealth:
                             "learning rate, add entropy_coef or kl_loss_coef, or sample more per prompt\n"
                             + describe(example))
         return {f"eval/{name}/top_answer_share": share}, warnings
+
+    def _regression(self, name: str, score: float, step: int) -> list[str]:
+        best, best_step = self._best_eval.get(name, (score, step))
+        if score >= best:
+            best, best_step = score, step
+        self._best_eval[name] = (best, best_step)
+        if not self._onset(f"regression/{name}", best - score >= self.limits.regression_drop):
+            return []
+        return [f"eval {name!r} fell to {score:.3f} at step {step}, from its best {best:.3f} at step {best_step}: "
+                "training is making the policy worse on this set. Lower train.lr (the usual cause) or raise "
+                "algorithm.kl_loss_coef"]
 
 
 def answer_counts(samples: list[Sample]) -> Counter:

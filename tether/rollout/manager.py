@@ -168,7 +168,8 @@ class RolloutManager:
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
             answers = answer_counts(samples)
             constant = metrics[f"eval/{name}/constant_answer_score"] = eval_set.constant_answer_score(samples, answers)
-            health, warnings = self.health.after_eval(name, samples, score, constant, eval_set.reward_spec)
+            health, warnings = self.health.after_eval(name, samples, score, constant, eval_set.reward_spec,
+                                                     rollout_id)
             metrics.update(health)
             metrics["warnings"] += warnings
             self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
