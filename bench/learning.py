@@ -2,7 +2,7 @@
 
     python bench/learning.py                                  # all four tasks, the tiny model
     python bench/learning.py --sizes tiny,4m --tasks reverse,max
-    python bench/learning.py --grpo train.lr=1e-4 --tag lr1e-4 --reuse-sft   # one GRPO knob changed
+    python bench/learning.py --grpo train.lr=5e-4 --tag lr5e-4 --reuse-sft   # one GRPO knob changed
     python bench/learning.py --sft sft.num_epoch=2 --tag sft2    # the SFT budget
     python bench/learning.py --show                              # the table of every run so far
 
