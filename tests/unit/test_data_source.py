@@ -10,7 +10,7 @@ import pytest
 from tether.tiny import build_char_tokenizer
 from tether.rollout.prompt_format import PromptFormat
 from tether.rollout.data_source import DataSource, DatasetError, PromptRow, load_prompt_rows
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 @pytest.fixture(scope="module")

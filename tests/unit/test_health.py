@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from tether.rollout.health import RolloutHealth
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 def samples(rewards: list[float], group: int = 4, finish: str = "stop", logprob: float = -0.5,

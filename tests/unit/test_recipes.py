@@ -14,7 +14,7 @@ import pytest
 from tether.config import load_config
 from tether.rewards.builtin import math_reward
 from tether.rollout.prompt_format import render_prompt, round_trip_problems, PromptFormat
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 from tether.tiny import build_char_tokenizer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

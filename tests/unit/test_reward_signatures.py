@@ -9,7 +9,7 @@ import pytest
 
 from tether.config import ConfigError, check_inputs, load_config
 from tether.rewards import RewardLoadError, compute_rewards, load_reward_fn
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 SCORERS = '''
 def by_sample(sample):

@@ -15,7 +15,7 @@ from tether.rewards.builtin import (
     math_reward,
 )
 from tether.rewards.loader import RewardLoadError
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 def make_sample(response: str, label=None, prompt_index: int = 0, sample_index: int = 0) -> Sample:

@@ -13,7 +13,7 @@ from typing import Callable
 
 from math_verify import parse, verify
 
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 # Seconds allowed for each math_verify parse/verify call on the main thread.
 MATH_VERIFY_TIMEOUT_S = 5

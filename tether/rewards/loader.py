@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from tether.importing import load_function
 from tether.rewards.builtin import BUILTIN_REWARDS
 from tether.rewards.signature import adapt_reward
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 RewardFn = Callable[[Sample], float]
 

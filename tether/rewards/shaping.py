@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:

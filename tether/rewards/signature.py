@@ -19,7 +19,7 @@ import asyncio
 import inspect
 from typing import Any, Callable
 
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 _FIELDS: dict[str, Callable[[Sample], Any]] = {
     "sample": lambda s: s,

@@ -1,5 +1,5 @@
 """Rollout data: samples and the prompt data source."""
 
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 __all__ = ["Sample"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           render_prompt)
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 PLAIN = PromptFormat()  # the prompt field as it is
 

@@ -14,7 +14,7 @@ import httpx
 
 from tether.engine.sampling import SamplingParams
 from tether.router import Router
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:

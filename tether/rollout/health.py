@@ -18,7 +18,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 
 
 @dataclass

@@ -23,7 +23,7 @@ from tether.rollout.data_source import DataSource, PromptRow, load_prompt_rows
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.health import RolloutHealth, answer_counts
-from tether.rollout.sample import Sample
+from tether.sample import Sample
 from tether.trainer.model import load_tokenizer
 
 DATA_STATE = "data_source.json"
@@ -52,6 +52,9 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         rollout_logprobs=[list(s.response_logprobs) for s in samples],
         temperature=temperature,
         sample_ids=[(s.prompt_index, s.sample_index) for s in samples],
+        # Only when some token is masked: a batch without inserted tokens travels as before.
+        loss_masks=[s.response_loss_mask() for s in samples] if any(s.loss_mask is not None for s in samples)
+        else None,
     )
 
 

@@ -122,30 +122,47 @@ def padded(per_sample: dict[int, torch.Tensor], lengths: list[int]) -> torch.Ten
 def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.Tensor],
                        ref: dict[int, torch.Tensor] | None, values: dict[int, torch.Tensor] | None = None):
     """Per-token advantages {sample: [R]} of the whole batch (identical on every rank), the value
-    targets {sample: [R]} when there is a critic (else None), and metrics."""
-    lengths = batch.response_lengths
+    targets {sample: [R]} when there is a critic (else None), and metrics.
+
+    The estimators see only the trained tokens of each response, left-aligned (a tool's output in
+    the middle of a response is skipped, so returns flow from one policy token to the next and the
+    outcome reward sits on the last policy token); the results go back to their positions, 0 on
+    masked tokens."""
+    keep = [torch.tensor(batch.loss_mask(i), dtype=torch.bool) for i in range(len(batch))]
+    lengths = [int(k.sum()) for k in keep]
     mask = padded({i: torch.ones(r) for i, r in enumerate(lengths)}, lengths)
     kl = None
     if s.advantage_params.kl_coef > 0:
         # KL(policy || reference) of the rollout tokens, per token, for the penalty in the reward.
         old_all, ref_all = gather_per_sample(old), gather_per_sample(ref)
-        kl = padded({i: kl_estimate(old_all[i], ref_all[i], s.kl_in_reward_type) for i in old_all}, lengths)
+        kl = padded({i: kl_estimate(old_all[i][keep[i]], ref_all[i][keep[i]], s.kl_in_reward_type)
+                     for i in old_all}, lengths)
     if values is not None:
-        values = padded(gather_per_sample(values), lengths)
+        values = padded({i: v[keep[i]] for i, v in gather_per_sample(values).items()}, lengths)
     inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl,
                              values=values)
     result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
-    returns = None if result.returns is None else {i: result.returns[i, :r] for i, r in enumerate(lengths)}
-    return {i: result.advantages[i, :r] for i, r in enumerate(lengths)}, returns, metrics
+
+    def spread(rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        out = {i: torch.zeros(len(k)) for i, k in enumerate(keep)}
+        for i, k in enumerate(keep):
+            out[i][k] = rows[i, : lengths[i]]
+        return out
+
+    returns = None if result.returns is None else spread(result.returns)
+    return spread(result.advantages), returns, metrics
 
 
 def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
-    """(sum |trainer - engine| over response tokens, token count, max) for this rank's samples."""
+    """(sum |trainer - engine| over trained response tokens, token count, max) for this rank's samples."""
     total, count, worst = 0.0, 0.0, 0.0
     for i in indices:
         if batch.response_lengths[i] == 0:
             continue
-        diff = (old[i] - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)).abs()
+        keep = torch.tensor(batch.loss_mask(i), dtype=torch.bool)
+        if not keep.any():
+            continue
+        diff = (old[i] - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32))[keep].abs()
         total += float(diff.sum())
         count += diff.numel()
         worst = max(worst, float(diff.max()))
@@ -236,8 +253,8 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     summed: dict[str, float] = {}
     warnings: list[str] = []
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
-        counts = GlobalCounts(num_tokens=float(max(1, sum(batch.response_lengths[i] for i in global_idx))),
-                              num_sequences=float(max(1, sum(batch.response_lengths[i] > 0 for i in global_idx))),
+        trained = [batch.trained_tokens(i) for i in global_idx]
+        counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
         parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world)
         if critic is not None and is_rl:
