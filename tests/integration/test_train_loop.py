@@ -50,6 +50,18 @@ def test_loop_runs_and_learns_something(layout, ray_session, tiny_model_dir, add
             assert row.get("train/kl") is not None  # measured against the frozen reference
     assert summary["plot"] and (tmp_path / "run" / "curves.png").stat().st_size > 1000
 
+    # Each dumped sample says which rollout, group, status and engine weights produced it; the
+    # weights are new at every rollout (pushed after each train step) and one version per rollout.
+    versions = []
+    for k in (0, 1, 2):
+        dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
+        assert {d["rollout_id"] for d in dumped} == {k}
+        assert [d["group_index"] for d in dumped] == [g for g in range(4) for _ in range(4)], dumped
+        assert all(d["status"] == {"stop": "completed", "length": "truncated"}[d["finish_reason"]] for d in dumped)
+        assert len({tuple(d["weight_versions"]) for d in dumped}) == 1 and len(dumped[0]["weight_versions"]) == 1
+        versions.append(dumped[0]["weight_versions"][0])
+    assert versions == sorted(set(versions)), versions
+
     # The exported model differs from the starting one: training changed the weights.
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(tmp_path / "run" / "hf" / "model.safetensors"))

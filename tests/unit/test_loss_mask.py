@@ -124,3 +124,11 @@ def test_samples_bring_their_masks_into_the_batch():
     batch = to_train_batch([sample([1, 0, 1]), sample(None)], 2, 1.0)
     assert batch.loss_masks == [[1, 0, 1], [1, 1, 1]] and batch.trained_tokens(0) == 2
     assert sample([1, 0, 1]).to_dict()["loss_mask"] == [1, 0, 1]
+
+
+def test_a_removed_sample_keeps_its_place_with_nothing_trained():
+    samples = [Sample(0, j, "p", None, {}, [5, 6], response_ids=[7, 8], response_logprobs=[-1.0] * 2, reward=1.0)
+               for j in range(2)]
+    samples[1].remove = True
+    batch = to_train_batch(samples, 2, 1.0)
+    assert len(batch) == 2 and batch.loss_masks == [[1, 1], [0, 0]] and batch.trained_tokens(1) == 0

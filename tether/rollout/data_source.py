@@ -222,10 +222,11 @@ class DataSource:
         the mutable row fields so that one sample's changes never leak to another.
         """
         samples = []
-        for row in self.next_prompts():
+        for k, row in enumerate(self.next_prompts()):
             for j in range(self.n_samples_per_prompt):
                 samples.append(
                     Sample(
+                        group_index=k,
                         prompt_index=row.index,
                         sample_index=j,
                         prompt=copy.deepcopy(row.prompt),

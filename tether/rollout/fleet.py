@@ -14,7 +14,7 @@ import httpx
 
 from tether.engine.sampling import SamplingParams
 from tether.router import Router
-from tether.sample import Sample
+from tether.sample import STATUS_OF_FINISH, Sample
 
 
 def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:
@@ -74,6 +74,8 @@ class EngineFleet:
                 s.response_ids = out["output_ids"]
                 s.response_logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
                 s.finish_reason = out["meta_info"]["finish_reason"]["type"]
+                s.status = STATUS_OF_FINISH.get(s.finish_reason, "failed")
+                s.weight_versions = [int(out["meta_info"]["weight_version"])]
                 s.response_text = out["text"]
         return {"timing/generate_s": time.perf_counter() - start}
 

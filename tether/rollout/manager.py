@@ -52,9 +52,10 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         rollout_logprobs=[list(s.response_logprobs) for s in samples],
         temperature=temperature,
         sample_ids=[(s.prompt_index, s.sample_index) for s in samples],
-        # Only when some token is masked: a batch without inserted tokens travels as before.
-        loss_masks=[s.response_loss_mask() for s in samples] if any(s.loss_mask is not None for s in samples)
-        else None,
+        # Only when some token is masked: a batch without inserted tokens travels as before. A removed
+        # sample keeps its place (groups keep their shape) with nothing of it trained on.
+        loss_masks=[[0] * s.response_length if s.remove else s.response_loss_mask() for s in samples]
+        if any(s.loss_mask is not None or s.remove for s in samples) else None,
     )
 
 
@@ -86,8 +87,8 @@ class EvalSet:
     def samples(self) -> list[Sample]:
         return [
             Sample(prompt_index=r.index, sample_index=j, prompt=r.prompt, label=r.label,
-                   metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids))
-            for r in self.rows for j in range(self.cfg.n_samples_per_prompt)
+                   metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids), group_index=k)
+            for k, r in enumerate(self.rows) for j in range(self.cfg.n_samples_per_prompt)
         ]
 
 
@@ -142,6 +143,8 @@ class RolloutManager:
         data = self._require_data()
         epoch = data.epoch
         samples = data.next_samples()
+        for s in samples:
+            s.rollout_id = rollout_id
         metrics = self.fleet.generate(samples, self.params, r.n_samples_per_prompt, self._seed(rollout_id, 0),
                                       f"rollout {rollout_id}")
         start = time.perf_counter()
@@ -164,6 +167,8 @@ class RolloutManager:
         for k, eval_set in enumerate(self.eval_sets):
             name = eval_set.cfg.name
             samples = eval_set.samples()
+            for s in samples:
+                s.rollout_id = rollout_id
             self.fleet.generate(samples, eval_set.params, eval_set.cfg.n_samples_per_prompt,
                                 self._seed(rollout_id, k + 1), f"eval {name} at rollout {rollout_id}")
             rewards = compute_rewards(eval_set.reward_fn, samples, eval_set.reward_spec)
