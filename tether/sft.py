@@ -12,7 +12,7 @@ from tether.batch import TrainBatch
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
 from tether.evaluate import run_evals, scores_table
-from tether.rollout.data_source import read_jsonl
+from tether.rollout.data_source import read_rows
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           ROUND_TRIP_ROWS, render_prompt, round_trip_problems)
 from tether.run_dir import claim
@@ -30,13 +30,12 @@ def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> li
     s, d = cfg.sft, cfg.data
     fmt = PromptFormat.from_config(d)
     if s.path is None:
-        raise DatasetError("sft.path is required for `tether sft` (a JSONL file with prompt and response)")
+        raise DatasetError("sft.path is required for `tether sft` (a JSONL or Parquet file with prompt and response)")
     path = Path(s.path)
     if not path.is_file():
         raise DatasetError(f"sft.path: file not found: {path}")
     rows = []
-    for line, obj in read_jsonl(path):
-        where = f"{path}:{line}"
+    for _, where, obj in read_rows(path):
         prompt = fill_template(fmt, get_prompt(obj, where, s.prompt_key, d.apply_chat_template), obj, where,
                                s.prompt_key)
         response = obj.get(s.response_key)

@@ -234,3 +234,55 @@ def test_sample_to_dict_is_json_safe():
     d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
     assert d["response_length"] == 1 and d["response_logprobs"] == [None]
     assert d["prompt"] == [{"role": "user", "content": "x"}] and d["reward"] == 1.0
+
+
+# ---------------------------------------------------------------- Parquet
+
+
+def test_parquet_rows_load_as_their_jsonl_twins(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = [{"role": "user", "content": "2*3"}]
+    objs = [{"prompt": messages, "label": "6", "metadata": {"src": "a"}},
+            {"prompt": [{"role": "user", "content": "hi"}], "label": "x", "metadata": None}]
+    pq.write_table(pa.Table.from_pylist(objs), tmp_path / "d.parquet")
+    fmt = PromptFormat(apply_chat_template=True)
+    from_parquet, _ = load_prompt_rows(tmp_path / "d.parquet", tok, fmt=fmt)
+    from_jsonl, _ = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", objs), tok, fmt=fmt)
+    assert from_parquet == from_jsonl and from_parquet[0].prompt == messages
+    assert from_parquet[1].metadata == {}
+
+
+def test_a_bad_parquet_row_is_named_by_its_row(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}]),
+                   tmp_path / "d.parquet")
+    with pytest.raises(DatasetError, match=r"d\.parquet row 2: .*prompt"):
+        load_prompt_rows(tmp_path / "d.parquet", tok)
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DatasetError, match=r"bad\.parquet: not a readable Parquet file"):
+        load_prompt_rows(tmp_path / "bad.parquet", tok)
+
+
+def test_sft_rows_read_parquet_too(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import tiny_config
+    from tether.config import config_from_dict
+    from tether.sft import load_sft_rows
+
+    objs = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2=", "response": "4"}]
+    pq.write_table(pa.Table.from_pylist(objs), tmp_path / "sft.parquet")
+    data = {"train": write_jsonl(tmp_path / "t.jsonl", [{"prompt": "x"}]), "eval": tmp_path / "t.jsonl"}
+    raw = tiny_config(tmp_path, data, tmp_path / "out", sft={"path": str(tmp_path / "sft.parquet")})
+    rows = load_sft_rows(config_from_dict(raw), tok)
+    assert rows == [(tok.encode("1+1=", add_special_tokens=False), tok.encode("2", add_special_tokens=False)
+                     + [tok.eos_token_id]), (tok.encode("2+2=", add_special_tokens=False),
+                                             tok.encode("4", add_special_tokens=False) + [tok.eos_token_id])]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "response": 3}]), tmp_path / "sft.parquet")
+    with pytest.raises(DatasetError, match=r"sft\.parquet row 1: field 'response' must be a string"):
+        load_sft_rows(config_from_dict(raw), tok)

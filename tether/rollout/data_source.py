@@ -22,7 +22,7 @@ from tether.sample import Sample
 
 PLAIN = PromptFormat()  # the prompt field as it is
 
-__all__ = ["DataSource", "DatasetError", "PromptRow", "load_prompt_rows", "read_jsonl"]
+__all__ = ["DataSource", "DatasetError", "PromptRow", "load_prompt_rows", "read_jsonl", "read_rows"]
 
 
 @dataclass
@@ -58,14 +58,14 @@ def load_prompt_rows(
     fmt: PromptFormat = PLAIN,
     max_prompt_len: int | None = None,
 ) -> tuple[list[PromptRow], int]:
-    """Load and tokenize a JSONL prompt file.
+    """Load and tokenize a prompt file (JSONL, or Parquet by its .parquet suffix).
 
     Each prompt is formatted by `fmt` (tether/rollout/prompt_format.py: template, chat template,
     response prefix) and encoded with `add_special_tokens=False`. A chat-message prompt requires
     `fmt.apply_chat_template`.
 
     Args:
-        path: JSONL file.
+        path: a JSONL or Parquet file.
         tokenizer: a Hugging Face tokenizer.
         prompt_key, label_key, metadata_key: field names in each JSON object. A
             missing label gives None; a missing (or null) metadata gives {}.
@@ -77,7 +77,8 @@ def load_prompt_rows(
 
     Raises:
         DatasetError: missing file, invalid JSON, missing/ill-typed fields, empty
-            file, or every row filtered out. Messages name file:line and the field.
+            file, or every row filtered out. Messages name the file, the line (JSONL) or
+            row (Parquet), and the field.
     """
     path = Path(path)
     if not path.is_file():
@@ -90,9 +91,8 @@ def load_prompt_rows(
     rows: list[PromptRow] = []
     num_filtered = 0
     num_read = 0
-    for line_no, obj in read_jsonl(path):
+    for line_no, where, obj in read_rows(path):
         num_read += 1
-        where = f"{path}:{line_no}"
         prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
         metadata = _get_metadata(obj, where, metadata_key)
         text = render_prompt(tokenizer, fill_template(fmt, prompt, obj, where, prompt_key), fmt)
@@ -112,6 +112,27 @@ def load_prompt_rows(
             f"max_prompt_len={max_prompt_len} tokens"
         )
     return rows, num_filtered
+
+
+def read_rows(path: Path) -> Iterator[tuple[int, str, dict]]:
+    """Yield (1-based line or row number, where, object) for each row; ``where`` names the file and
+    the line (JSONL) or row (Parquet, columns as keys) for error messages."""
+    if path.suffix == ".parquet":
+        yield from _read_parquet(path)
+        return
+    for line_no, obj in read_jsonl(path):
+        yield line_no, f"{path}:{line_no}", obj
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, str, dict]]:
+    import pyarrow.parquet as pq  # only Parquet data needs it
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a file it cannot read
+        raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from exc
+    for n, obj in enumerate(table.to_pylist(), start=1):
+        yield n, f"{path} row {n}", obj
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
