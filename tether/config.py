@@ -116,7 +116,32 @@ class RolloutConfig(Section):
     stop_token_ids: list[int] = []
     """Extra token ids that end a response (the tokenizer's eos always does)."""
     reward: str = "math"
-    """Reward function: a built-in name (math, exact_match, f1), module:function or path/file.py:function."""
+    """Reward function: a built-in name (math, exact_match, f1), module:function, path/file.py:function
+    (sync or async, of one sample), or the URL of a reward server (http://host:port/path, one POST per group)."""
+    group_reward: str | None = None
+    """A function of a whole group's samples returning one reward each (sync or async; module:function
+    or file.py:function). Used instead of `reward` when set."""
+    reward_key: str | None = None
+    """When rewards are dicts: the entry trained on (the whole dict stays in Sample.reward_info)."""
+    reward_post_process: str | None = None
+    """A function over all the kept samples of a rollout, run after scoring: it changes sample.reward in
+    place or returns the new rewards (module:function or file.py:function)."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for one group's rewards (a reward server's answer, or the group's reward functions)."""
+    reward_retries: int = Field(2, ge=0)
+    """Retries of a reward server request after a connection error, a timeout, a 429 or a 5xx."""
+    dynamic_filter: str | None = None
+    """Keep only groups this filter passes (DAPO's dynamic sampling: `nonzero_reward_std`), or a
+    module:function / file.py:function of one group returning a bool or (bool, reason). More groups are
+    started until prompts_per_rollout pass. None: every group is kept."""
+    over_sampling_groups: int | None = Field(None, ge=1)
+    """Groups started at the beginning of a rollout, at least prompts_per_rollout (None: exactly that);
+    as groups are dropped, more start, up to this many not dropped at a time."""
+    max_concurrent_groups: int | None = Field(None, ge=1)
+    """Most groups generating at once (each is one request to an engine). None: over_sampling_groups."""
+    on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
+    """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
+    groups that passed (with a warning), or stop the run with an error."""
     overlong_buffer_len: int | None = Field(None, ge=1)
     """DAPO overlong shaping: responses longer than max_response_len - overlong_buffer_len lose up to
     overlong_penalty_factor of reward, linearly (tether/rewards/shaping.py). None: off."""
@@ -137,6 +162,17 @@ class RolloutConfig(Section):
     engine_host: str = "127.0.0.1"
     """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
     address is then given to the router)."""
+
+    @model_validator(mode="after")
+    def _over_sampling(self) -> RolloutConfig:
+        if self.over_sampling_groups is not None and self.over_sampling_groups < self.prompts_per_rollout:
+            raise ValueError(f"rollout.over_sampling_groups ({self.over_sampling_groups}) must be at least "
+                             f"rollout.prompts_per_rollout ({self.prompts_per_rollout})")
+        return self
+
+    @property
+    def groups_to_start(self) -> int:
+        return self.over_sampling_groups or self.prompts_per_rollout
 
 
 class AlgorithmConfig(Section):
@@ -255,7 +291,10 @@ class SamplingConfig(Section):
     max_response_len: int = Field(64, ge=1)
     """Maximum new tokens per response."""
     n_samples_per_prompt: int = Field(1, ge=1)
-    """Responses per eval prompt; the score is their mean reward."""
+    """Responses per eval prompt; the score is their mean reward (mean@n), and with n > 1 pass@k is
+    reported for k = 1..n (powers of two and n when n > 8)."""
+    pass_threshold: float = 1.0
+    """A response passes (for pass@k and the per-prompt pass rates) when its reward is at least this."""
 
 
 class EvalDatasetConfig(SamplingConfig):
@@ -437,7 +476,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 def _resolve_spec(spec: Any, base: Path) -> Any:
     """A relative ``path/file.py:function`` spec made absolute against ``base``; anything else as is."""
-    if not isinstance(spec, str) or ":" not in spec:
+    if not isinstance(spec, str) or ":" not in spec or spec.strip().startswith(("http://", "https://")):
         return spec
     target, _, attr = spec.strip().rpartition(":")
     if not (target.endswith(".py") or "/" in target or "\\" in target):
@@ -449,7 +488,8 @@ def _resolve_spec(spec: Any, base: Path) -> Any:
 def resolve_function_specs(raw: dict, base: Path) -> dict:
     """Resolve the file specs of user functions (rewards, policy loss) in a raw config against ``base``:
     the config file's folder for values written in it, the working directory for overrides."""
-    for section, key in (("rollout", "reward"), ("algorithm", "policy_loss")):
+    for section, key in (("rollout", "reward"), ("rollout", "group_reward"), ("rollout", "reward_post_process"),
+                         ("rollout", "dynamic_filter"), ("algorithm", "policy_loss")):
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
             node[key] = _resolve_spec(node[key], base)
@@ -506,6 +546,8 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
         elif not Path(value).exists():
             problems.append(f"  {field}: {value} does not exist")
     specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
+             "rollout.group_reward": cfg.rollout.group_reward, "rollout.dynamic_filter": cfg.rollout.dynamic_filter,
+             "rollout.reward_post_process": cfg.rollout.reward_post_process,
              **{f"eval.datasets[{i}].reward": d.reward for i, d in enumerate(cfg.eval.datasets)}}
     for field, spec in specs.items():
         target = (spec or "").rpartition(":")[0]

@@ -8,6 +8,7 @@ again; `abort_all` tells every worker to drop what is in flight.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass
 
@@ -92,6 +93,29 @@ class Router:
             self._done(worker, tokens)
         reply.raise_for_status()
         return reply.json()
+
+    async def generate_async(self, client: httpx.AsyncClient, payload: dict) -> dict | list:
+        """``generate`` on an asyncio client: the same choice of worker and the same accounting."""
+        tokens = _estimate_tokens(payload)
+        worker = self._pick(tokens)
+        try:
+            reply = await client.post(f"{worker.url}/generate", json=payload, timeout=self.timeout_s)
+        except httpx.TransportError:
+            worker.healthy = False
+            raise
+        finally:
+            self._done(worker, tokens)
+        reply.raise_for_status()
+        return reply.json()
+
+    async def abort_async(self, client: httpx.AsyncClient, rids: list[str]) -> int:
+        """Abort these requests on every worker (a worker that does not hold one answers 0 for it)."""
+        async def one(url: str, rid: str) -> int:
+            reply = await client.post(f"{url}/abort_request", json={"rid": rid}, timeout=self.timeout_s)
+            reply.raise_for_status()
+            return int(reply.json().get("aborted", 0))
+        counts = await asyncio.gather(*(one(w.url, rid) for w in self.workers for rid in rids))
+        return sum(counts)
 
     def broadcast(self, path: str, payload: dict | None = None) -> list[dict]:
         """POST to every worker (pause, continue, release, resume, flush, abort)."""

@@ -39,6 +39,10 @@ class Sample:
             string), "truncated" (hit max_response_len), "aborted" or "failed".
         weight_versions: the engine weight version of each generation call that extended
             the response, in order (one entry for a single-turn response).
+        span_lengths: how many response tokens each of those calls added (aligned with
+            weight_versions; they sum to the response length when only the policy wrote it).
+        reward_info: the whole dict when the reward function returned one; `reward` is then
+            its `rollout.reward_key` entry (slime keeps the dict in `reward` itself).
         remove: set (e.g. by a filter) to leave the sample out of training: it keeps its place
             in its group, with a loss mask of all 0.
     """
@@ -59,6 +63,8 @@ class Sample:
     rollout_id: int = -1
     status: str = "pending"
     weight_versions: list[int] = field(default_factory=list)
+    span_lengths: list[int] = field(default_factory=list)
+    reward_info: dict | None = None
     remove: bool = False
 
     def response_loss_mask(self) -> list[int]:
@@ -94,6 +100,8 @@ class Sample:
             "rollout_id": int(self.rollout_id),
             "status": self.status,
             "weight_versions": [int(v) for v in self.weight_versions],
+            "span_lengths": [int(n) for n in self.span_lengths],
+            "reward_info": None if self.reward_info is None else {k: _json_float(v) for k, v in self.reward_info.items()},
             "remove": bool(self.remove),
         }
 

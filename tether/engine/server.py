@@ -16,8 +16,10 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, HTTPException
 from safetensors.torch import load as load_safetensors
@@ -31,13 +33,24 @@ from tether.engine.protocol import (
 )
 from tether.weight_sync.distributed import DTYPES, join_group, receive
 
+MAX_CONCURRENT_REQUESTS = 512
+
 
 def _bad_request(err: Exception) -> HTTPException:
     return HTTPException(status_code=400, detail=str(err))
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    # Sync handlers run in anyio's thread pool (40 threads by default). A rollout keeps one request per
+    # group in flight; below this limit every one of them reaches the engine core (so it can batch them,
+    # and abort them by rid) instead of queueing in front of the server.
+    anyio.to_thread.current_default_thread_limiter().total_tokens = MAX_CONCURRENT_REQUESTS
+    yield
+
+
 def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0) -> FastAPI:
-    app = FastAPI(title="tether engine")
+    app = FastAPI(title="tether engine", lifespan=_lifespan)
     tokenizer = core.tokenizer
 
     def run(prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:

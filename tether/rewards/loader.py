@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from tether.importing import load_function
 from tether.rewards.builtin import BUILTIN_REWARDS
-from tether.rewards.signature import adapt_reward
+from tether.rewards.signature import adapt_reward, resolve
 from tether.sample import Sample
 
 RewardFn = Callable[[Sample], float]
@@ -52,13 +52,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     return adapt_reward(load_function(spec, "reward", RewardLoadError), spec, RewardLoadError)
 
 
-def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str) -> list[float]:
+def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str, key: str | None = None) -> list[float]:
     """Call `fn` on every sample, validate the results and store them in sample.reward.
 
     Args:
-        fn: reward function.
+        fn: reward function (an async one is run to completion for each sample).
         samples: samples with their response filled in.
         fn_name: name of the function (e.g. its spec) for error messages.
+        key: the entry trained on when `fn` returns a dict (rollout.reward_key).
 
     Returns:
         The rewards, in sample order.
@@ -66,23 +67,47 @@ def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str) -> li
     Raises:
         RewardError: `fn` raised (chained to the original exception; the message
             names the sample's prompt_index/sample_index and a response excerpt), or
-            returned something other than a finite real number (bools count as 0/1).
+            returned something other than a finite real number (bools count as 0/1)
+            or a dict of them holding `key`.
     """
     rewards = []
     for sample in samples:
         try:
-            value = fn(sample)
+            value = resolve(fn(sample))
         except Exception as exc:
-            raise RewardError(
-                f"reward function '{fn_name}' raised {type(exc).__name__}: {exc} "
-                f"(prompt_index={sample.prompt_index}, "
-                f"sample_index={sample.sample_index}, "
-                f"response={_excerpt(sample.response_text)})"
-            ) from exc
-        reward = _validate_reward(value, fn_name, sample)
-        sample.reward = reward
-        rewards.append(reward)
+            raise reward_raised(fn_name, sample, exc) from exc
+        rewards.append(set_reward(sample, value, fn_name, key))
     return rewards
+
+
+def reward_raised(fn_name: str, sample: Sample, exc: Exception) -> RewardError:
+    return RewardError(
+        f"reward function '{fn_name}' raised {type(exc).__name__}: {exc} "
+        f"({describe(sample)}, response={_excerpt(sample.response_text)})"
+    )
+
+
+def describe(sample: Sample) -> str:
+    return (f"rollout {sample.rollout_id}, prompt_index={sample.prompt_index}, "
+            f"sample_index={sample.sample_index}")
+
+
+def set_reward(sample: Sample, value: object, fn_name: str, key: str | None) -> float:
+    """Validate one reward and store it: a number in `reward`; a dict in `reward_info`, with its
+    `key` entry in `reward`."""
+    if isinstance(value, dict):
+        if key is None:
+            raise RewardError(f"reward function '{fn_name}' returned a dict ({sorted(value)}) for {describe(sample)}; "
+                              "set rollout.reward_key to the entry to train on")
+        if key not in value:
+            raise RewardError(f"reward function '{fn_name}' returned a dict without rollout.reward_key "
+                              f"'{key}' (it has {sorted(value)}) for {describe(sample)}")
+        info = {str(k): _validate_reward(v, f"{fn_name}' entry '{k}", sample) for k, v in value.items()}
+        sample.reward_info = info
+        sample.reward = info[key]
+        return sample.reward
+    sample.reward = _validate_reward(value, fn_name, sample)
+    return sample.reward
 
 
 def _validate_reward(value: object, fn_name: str, sample: Sample) -> float:
@@ -95,8 +120,8 @@ def _validate_reward(value: object, fn_name: str, sample: Sample) -> float:
             return reward
     raise RewardError(
         f"reward function '{fn_name}' returned {value!r} "
-        f"({type(value).__name__}) for prompt_index={sample.prompt_index}, "
-        f"sample_index={sample.sample_index}; expected a finite real number"
+        f"({type(value).__name__}) for {describe(sample)}; "
+        f"expected a finite real number (or a dict of them, with rollout.reward_key)"
     )
 
 

@@ -10,7 +10,7 @@ text and the label instead, so the function's signature decides how it is called
 
 Recognised parameter names: sample; prompt; response, response_text, completion, solution_str;
 label, ground_truth, answer, reference; metadata, extra_info; data_source (metadata["data_source"]).
-An ``async def`` reward is run to completion for each sample.
+An ``async def`` reward is awaited: the rollout runs those of many samples concurrently.
 """
 
 from __future__ import annotations
@@ -32,30 +32,45 @@ _FIELDS: dict[str, Callable[[Sample], Any]] = {
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def _resolve(value: Any) -> Any:
+def resolve(value: Any) -> Any:
+    """The value of a reward call made outside an event loop (an async reward returns a coroutine)."""
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
+def is_async(fn: Callable) -> bool:
+    """Whether calling the (adapted) reward returns an awaitable."""
+    return getattr(fn, "is_async", False) or inspect.iscoroutinefunction(fn)
+
+
 def adapt_reward(fn: Callable, spec: str, error: type[Exception]) -> Callable[[Sample], Any]:
-    """``fn`` as a function of one Sample, chosen from its signature; ``error`` names the spec."""
+    """``fn`` as a function of one Sample, chosen from its signature; ``error`` names the spec.
+
+    The result returns what ``fn`` returns (a coroutine for an async ``fn``; ``is_async`` says which).
+    """
+    adapted = _adapt(fn, spec, error)
+    if adapted is not fn:
+        adapted.is_async = inspect.iscoroutinefunction(fn)
+    return adapted
+
+
+def _adapt(fn: Callable, spec: str, error: type[Exception]) -> Callable[[Sample], Any]:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # some builtins and C functions have no signature: take them as fn(sample)
-        return lambda s: _resolve(fn(s))
+        return lambda s: fn(s)
     required = [p for p in params if p.default is inspect.Parameter.empty
                 and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
     named = [p.name for p in required]
     positional = [p for p in required if p.kind in _POSITIONAL]
     if len(positional) == len(required) == 1 and named[0] not in _FIELDS or named == ["sample"]:
-        # Already tether's form: called as it is (async functions still need running).
-        return (lambda s: _resolve(fn(s))) if inspect.iscoroutinefunction(fn) else fn
+        return fn  # already tether's form
     if required and all(name in _FIELDS for name in named):
         # Optional parameters with a known name are filled too (verl's extra_info=None).
         names = [p.name for p in params if p.name in _FIELDS and p.kind is not inspect.Parameter.POSITIONAL_ONLY]
         getters = {name: _FIELDS[name] for name in names}
-        return lambda s: _resolve(fn(**{name: get(s) for name, get in getters.items()}))
+        return lambda s: fn(**{name: get(s) for name, get in getters.items()})
     if len(positional) == len(required) == 2:
-        return lambda s: _resolve(fn(s.response_text, s.label))
+        return lambda s: fn(s.response_text, s.label)
     raise error(f"reward spec '{spec}': cannot tell how to call {getattr(fn, '__name__', fn)}{inspect.signature(fn)}; "
                 "write fn(sample), fn(response, label), or name its parameters from "
                 f"{sorted(_FIELDS)}")

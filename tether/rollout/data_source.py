@@ -235,28 +235,38 @@ class DataSource:
         self._set_position(self._epoch, end)
         return batch
 
-    def next_samples(self) -> list[Sample]:
-        """Return the next rollout's Samples, grouped by prompt.
+    def group(self, row: PromptRow, group_index: int) -> list[Sample]:
+        """The `n_samples_per_prompt` Samples of one prompt. Each gets its own copies of the mutable row
+        fields so that one sample's changes never leak to another."""
+        return [
+            Sample(
+                group_index=group_index,
+                prompt_index=row.index,
+                sample_index=j,
+                prompt=copy.deepcopy(row.prompt),
+                label=copy.deepcopy(row.label),
+                metadata=copy.deepcopy(row.metadata),
+                prompt_ids=list(row.prompt_ids),
+            )
+            for j in range(self.n_samples_per_prompt)
+        ]
 
-        All `n_samples_per_prompt` samples of the first prompt come first, then
-        those of the second prompt, and so on. Each Sample gets its own copies of
-        the mutable row fields so that one sample's changes never leak to another.
-        """
-        samples = []
-        for k, row in enumerate(self.next_prompts()):
-            for j in range(self.n_samples_per_prompt):
-                samples.append(
-                    Sample(
-                        group_index=k,
-                        prompt_index=row.index,
-                        sample_index=j,
-                        prompt=copy.deepcopy(row.prompt),
-                        label=copy.deepcopy(row.label),
-                        metadata=copy.deepcopy(row.metadata),
-                        prompt_ids=list(row.prompt_ids),
-                    )
-                )
-        return samples
+    def next_samples(self) -> list[Sample]:
+        """Return the next rollout's Samples, grouped by prompt (all samples of the first prompt first)."""
+        return [s for k, row in enumerate(self.next_prompts()) for s in self.group(row, k)]
+
+    def peek_groups(self) -> Iterator[list[Sample]]:
+        """The groups of the rest of this epoch, in order, without advancing: a rollout that draws a
+        varying number of them (dynamic sampling) then calls `advance` with how many it used."""
+        for k, i in enumerate(self._order[self._offset:]):
+            yield self.group(self.rows[int(i)], k)
+
+    def advance(self, groups: int) -> None:
+        """Move past `groups` prompts (at most the rest of the epoch); the next epoch starts when fewer
+        than `prompts_per_rollout` are left."""
+        if not 0 <= groups <= len(self.rows) - self._offset:
+            raise ValueError(f"cannot advance {groups} prompts from offset {self._offset} of {len(self.rows)}")
+        self._set_position(self._epoch, self._offset + groups)
 
     def state_dict(self) -> dict:
         """Position for checkpointing: {"epoch", "offset", "seed", "num_rows"}."""

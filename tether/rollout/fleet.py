@@ -1,14 +1,14 @@
-"""Generation for rollout and eval over the engines' HTTP API, through the router.
+"""The engines as the rollout sees them: /generate over HTTP through the router, and their memory and health.
 
-Samples of one prompt stay together (the engine prefills their shared prompt once); the batch is
-cut into one /generate request per engine, sent concurrently, each sample with its own sampling
-seed. A sample's tokens therefore depend on its seed, not on which engine or batch served it.
+One call sends some samples as one /generate request (SGLang's batch form: a list of prompts, one
+sampling-parameter dict each, one rid each). Samples of one group travel together, so the engine
+prefills their shared prompt once. Every sample carries its own sampling seed: its tokens depend on
+that seed, not on the engine or the request that served it.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -24,9 +24,9 @@ def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:
     return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
-def sampling_payload(params: SamplingParams, seed: int) -> dict:
+def sampling_payload(params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> dict:
     return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "min_p": params.min_p, "max_new_tokens": params.max_new_tokens,
+            "min_p": params.min_p, "max_new_tokens": max_new_tokens or params.max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids), "stop": list(params.stop),
             "ignore_eos": params.ignore_eos, "sampling_seed": seed}
 
@@ -42,42 +42,58 @@ def _url(err: httpx.TransportError) -> str:
         return "an engine"
 
 
+def fill_response(sample: Sample, out: dict) -> None:
+    """Append one /generate reply to the sample's response (a continued sample already has a part)."""
+    meta = out["meta_info"]
+    new_ids = list(out["output_ids"])
+    sample.response_ids = sample.response_ids + new_ids
+    sample.response_logprobs = sample.response_logprobs + [lp for lp, _, _ in meta["output_token_logprobs"]]
+    if sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
+    sample.response_text = sample.response_text + out["text"]
+    sample.finish_reason = meta["finish_reason"]["type"]
+    sample.status = STATUS_OF_FINISH.get(sample.finish_reason, "failed")
+    sample.weight_versions = sample.weight_versions + [int(meta["weight_version"])]
+    sample.span_lengths = sample.span_lengths + [len(new_ids)]
+
+
 class EngineFleet:
     def __init__(self, urls: list[str], timeout_s: float):
         if not urls:
             raise ValueError("EngineFleet needs at least one engine URL")
         self.router = Router(urls, timeout_s=timeout_s)
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="fleet")
 
-    def generate(self, samples: list[Sample], params: SamplingParams, group_size: int, seed: int,
-                 what: str) -> dict[str, float]:
-        """Fill response_ids / logprobs / text / finish_reason of every sample, in place."""
+    @property
+    def num_engines(self) -> int:
+        return len(self.router.workers)
+
+    async def generate(self, client: httpx.AsyncClient, samples: list[Sample], params: SamplingParams,
+                       seeds: list[int], rids: list[str], what: str) -> None:
+        """Generate (or continue) the response of every sample in one request; fills them in place.
+
+        A sample that already has response tokens continues from them (its prompt is prompt + response
+        so far) with the tokens left of ``params.max_new_tokens``.
+        """
         start = time.perf_counter()
-        parts = [p for p in split_groups(len(samples), group_size, len(self.router.workers)) if p]
-        payloads = [{"input_ids": [samples[i].prompt_ids for i in part],
-                     "sampling_params": [sampling_payload(params, seed * 1_000_003 + i) for i in part],
-                     "return_logprob": True} for part in parts]
-        futures = [self._pool.submit(self.router.generate, payload) for payload in payloads]
-        for part, future in zip(parts, futures):
-            try:
-                outputs = future.result(timeout=self.timeout_s)
-            except httpx.HTTPStatusError as err:
-                raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
-            except (httpx.TimeoutException, TimeoutError) as err:
-                raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
-            except httpx.TransportError as err:
-                raise GenerationError(f"{what}: lost the connection to {_url(err)} after {time.perf_counter() - start:.1f}s "
-                                      f"({err!r})") from None
-            for i, out in zip(part, outputs):
-                s = samples[i]
-                s.response_ids = out["output_ids"]
-                s.response_logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-                s.finish_reason = out["meta_info"]["finish_reason"]["type"]
-                s.status = STATUS_OF_FINISH.get(s.finish_reason, "failed")
-                s.weight_versions = [int(out["meta_info"]["weight_version"])]
-                s.response_text = out["text"]
-        return {"timing/generate_s": time.perf_counter() - start}
+        payload = {"input_ids": [s.prompt_ids + s.response_ids for s in samples],
+                   "sampling_params": [sampling_payload(params, seed, params.max_new_tokens - s.response_length)
+                                       for s, seed in zip(samples, seeds)],
+                   "rid": rids, "return_logprob": True}
+        try:
+            outputs = await self.router.generate_async(client, payload)
+        except httpx.HTTPStatusError as err:
+            raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
+        except httpx.TimeoutException as err:
+            raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
+        except httpx.TransportError as err:
+            raise GenerationError(f"{what}: lost the connection to {_url(err)} after {time.perf_counter() - start:.1f}s "
+                                  f"({err!r})") from None
+        for sample, out in zip(samples, outputs):
+            fill_response(sample, out)
+
+    async def abort(self, client: httpx.AsyncClient, rids: list[str]) -> int:
+        return await self.router.abort_async(client, rids)
 
     def release_memory(self, tags: list[str]) -> None:
         self.router.broadcast("/release_memory_occupation", {"tags": tags})

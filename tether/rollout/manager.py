@@ -11,15 +11,19 @@ import json
 import statistics
 import time
 from collections import Counter
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import Iterator
 
 from tether.batch import TrainBatch
-from tether.config import EvalDatasetConfig, TetherConfig, config_from_dict
+from tether.config import TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
-from tether.rewards import compute_rewards, load_reward_fn
-from tether.rewards.shaping import apply_overlong_penalty
-from tether.rollout.data_source import DataSource, PromptRow, load_prompt_rows
+from tether.rewards.scorer import Scorer
+from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
+from tether.rollout.data_source import DataSource, load_prompt_rows
+from tether.rollout.driver import DriverResult, GroupDriver, Schedule
+from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
+from tether.rollout.filters import keep_all, load_filter
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.health import RolloutHealth, answer_counts
@@ -29,10 +33,38 @@ from tether.trainer.model import load_tokenizer
 DATA_STATE = "data_source.json"
 
 
+class DataExhaustedError(RuntimeError):
+    """The epoch's prompts ran out before enough groups passed the dynamic filter."""
+
+
+def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
+    """The rollout's scorer (or an eval set's, with its own reward) from the config."""
+    r = cfg.rollout
+    return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
+                  post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
+                  retries=r.reward_retries, field=field if reward else "rollout.reward")
+
+
+async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
+    """The group's rewards as trained on (after overlong shaping): what the dynamic filter sees.
+    (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
+    r = cfg.rollout
+    await scorer.score_group(group)
+    if r.overlong_buffer_len is not None:
+        apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+
+
+def _renumbered(group: list[Sample], k: int) -> list[Sample]:
+    # A kept group's index is its place in the trained batch (the driver numbered it by start order).
+    for s in group:
+        s.group_index = k
+    return group
+
+
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     rewards = [float(s.reward) for s in samples]
     lengths = [s.response_length for s in samples]
-    return {
+    metrics = {
         "rollout/reward_mean": statistics.fmean(rewards),
         "rollout/reward_std": statistics.pstdev(rewards),
         "rollout/response_len_mean": statistics.fmean(lengths),
@@ -40,6 +72,11 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/samples": float(len(samples)),
     }
+    parts = sorted({k for s in samples if s.reward_info for k in s.reward_info})
+    for key in parts:  # every entry of dict rewards, not only the one trained on
+        metrics[f"rollout/reward/{key}_mean"] = statistics.fmean(
+            s.reward_info[key] for s in samples if s.reward_info and key in s.reward_info)
+    return metrics
 
 
 def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
@@ -59,37 +96,11 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
     )
 
 
-class EvalSet:
-    """One named eval dataset with its own sampling settings and reward."""
-
-    def __init__(self, cfg: EvalDatasetConfig, rows: list[PromptRow], reward_spec: str):
-        self.cfg = cfg
-        self.rows = rows
-        self.reward_spec = reward_spec
-        self.reward_fn = load_reward_fn(reward_spec)
-        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                     max_new_tokens=cfg.max_response_len)
-        self._constant_scores: dict[str, float] = {}
-
-    def constant_answer_score(self, samples: list[Sample], answers: Counter) -> float:
-        """The best score one fixed answer given to every prompt would get: what a run that collapsed
-        onto a single answer scores. Tried: the model's 3 most common answers and the 3 most common
-        labels (each scored once per eval set, then cached)."""
-        labels = Counter(str(s.label) for s in samples if s.label is not None)
-        candidates = list(dict.fromkeys([a for a, _ in answers.most_common(3)] + [a for a, _ in labels.most_common(3)]))
-        for answer in candidates:
-            if answer not in self._constant_scores:
-                copies = [replace(s, response_text=answer, metadata=dict(s.metadata)) for s in samples]
-                self._constant_scores[answer] = statistics.fmean(
-                    compute_rewards(self.reward_fn, copies, self.reward_spec))
-        return max(self._constant_scores[a] for a in candidates)
-
-    def samples(self) -> list[Sample]:
-        return [
-            Sample(prompt_index=r.index, sample_index=j, prompt=r.prompt, label=r.label,
-                   metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids), group_index=k)
-            for k, r in enumerate(self.rows) for j in range(self.cfg.n_samples_per_prompt)
-        ]
+def _tagged(groups: Iterator[list[Sample]], rollout_id: int) -> Iterator[list[Sample]]:
+    for group in groups:
+        for s in group:
+            s.rollout_id = rollout_id
+        yield group
 
 
 class RolloutManager:
@@ -106,12 +117,18 @@ class RolloutManager:
             rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
             self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
                                    n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
-        self.reward_fn = load_reward_fn(r.reward)
+        # Every user function is loaded here, once: a bad spec fails the start, naming its field.
+        self.scorer = make_scorer(self.cfg)
+        self.keep = load_filter(r.dynamic_filter)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
         self.fleet = EngineFleet(engine_urls, self.cfg.cluster.call_timeout_s)
-        self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0], e.reward or r.reward)
-                          for e in self.cfg.eval.datasets]
+        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s)
+        self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
+                                 max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic)
+        self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0],
+                                  make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
+                          for i, e in enumerate(self.cfg.eval.datasets)]
         self.samples_dir = Path(self.cfg.output_dir) / "rollouts"
         self.health = RolloutHealth(r.n_samples_per_prompt)
 
@@ -142,46 +159,63 @@ class RolloutManager:
         r = self.cfg.rollout
         data = self._require_data()
         epoch = data.epoch
-        samples = data.next_samples()
-        for s in samples:
-            s.rollout_id = rollout_id
-        metrics = self.fleet.generate(samples, self.params, r.n_samples_per_prompt, self._seed(rollout_id, 0),
-                                      f"rollout {rollout_id}")
-        start = time.perf_counter()
-        compute_rewards(self.reward_fn, samples, r.reward)
+        result = self.driver.run(_tagged(data.peek_groups(), rollout_id), self.schedule, self.params,
+                                 self._seed(rollout_id, 0), partial(score_shaped, self.scorer, self.cfg), self.keep, f"rollout {rollout_id}")
+        data.advance(result.consumed)
+        metrics, warnings = result.metrics, self._check_exhausted(result, rollout_id)
+        samples = [s for k, group in enumerate(result.kept) for s in _renumbered(group, k)]
+        self.scorer.post_process(samples)
         if r.overlong_buffer_len is not None:
-            metrics["rollout/overlong_penalty_mean"] = apply_overlong_penalty(
-                samples, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
-        metrics["timing/reward_s"] = time.perf_counter() - start
+            metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
+                overlong_penalty(s.response_length, r.max_response_len, r.overlong_buffer_len,
+                                 r.overlong_penalty_factor) for s in samples)
         metrics.update(rollout_metrics(samples))
         health, metrics["warnings"] = self.health.after_rollout(rollout_id, samples)
+        metrics["warnings"] = warnings + metrics["warnings"]
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
         return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
+
+    def _check_exhausted(self, result: DriverResult, rollout_id: int) -> list[str]:
+        r = self.cfg.rollout
+        if not result.exhausted:
+            return []
+        text = (f"rollout {rollout_id}: the epoch's prompts ran out with {len(result.kept)} of "
+                f"rollout.prompts_per_rollout={r.prompts_per_rollout} groups passing rollout.dynamic_filter "
+                f"'{r.dynamic_filter}' ({int(result.metrics['rollout/groups_started'])} started)")
+        if not result.kept or r.on_data_exhausted == "fail":
+            raise DataExhaustedError(text + ("; nothing to train on" if not result.kept else
+                                             "; rollout.on_data_exhausted is 'fail'"))
+        return [text + "; training on those (rollout.on_data_exhausted: train_on_passed)"]
 
     def eval(self, rollout_id: int) -> dict:
         """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed)."""
         metrics: dict = {"warnings": []}
         start = time.perf_counter()
         for k, eval_set in enumerate(self.eval_sets):
-            name = eval_set.cfg.name
-            samples = eval_set.samples()
-            for s in samples:
-                s.rollout_id = rollout_id
-            self.fleet.generate(samples, eval_set.params, eval_set.cfg.n_samples_per_prompt,
-                                self._seed(rollout_id, k + 1), f"eval {name} at rollout {rollout_id}")
-            rewards = compute_rewards(eval_set.reward_fn, samples, eval_set.reward_spec)
-            score = metrics[f"eval/{name}/score"] = statistics.fmean(rewards)
+            name, n = eval_set.cfg.name, eval_set.cfg.n_samples_per_prompt
+            groups = eval_set.groups()
+            schedule = Schedule(need=len(groups), over_sampling_groups=len(groups),
+                                max_concurrent_groups=self.cfg.rollout.max_concurrent_groups,
+                                waves=self.cfg.deterministic)
+            self.driver.run(_tagged(iter(groups), rollout_id), schedule, eval_set.params,
+                            self._seed(rollout_id, k + 1), eval_set.scorer.score_group, keep_all,
+                            f"eval {name} at rollout {rollout_id}")
+            samples = [s for group in groups for s in group]
+            score = metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+            prompts = prompt_pass_rates(samples, n, eval_set.cfg.pass_threshold)
+            metrics.update(pass_metrics(prompts, n, name))
             answers = answer_counts(samples)
             constant = metrics[f"eval/{name}/constant_answer_score"] = eval_set.constant_answer_score(samples, answers)
-            health, warnings = self.health.after_eval(name, samples, score, constant, eval_set.reward_spec,
-                                                     rollout_id)
+            health, warnings = self.health.after_eval(name, samples, score, constant, eval_set.cfg.reward
+                                                     or self.cfg.rollout.reward, rollout_id)
             metrics.update(health)
             metrics["warnings"] += warnings
             self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
             self._dump_answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
+            self._dump_rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
@@ -190,10 +224,13 @@ class RolloutManager:
         return (self.cfg.seed * 1_000_003 + rollout_id) * 17 + stream
 
     def _dump(self, samples: list[Sample], name: str) -> None:
+        self._dump_rows([s.to_dict() for s in samples], name)
+
+    def _dump_rows(self, rows: list[dict], name: str) -> None:
         self.samples_dir.mkdir(parents=True, exist_ok=True)
         with open(self.samples_dir / name, "w") as f:
-            for s in samples:
-                f.write(json.dumps(s.to_dict()) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
     def _dump_answers(self, samples: list[Sample], answers: Counter, name: str) -> None:
         """Per-answer counts and mean rewards of one eval, most common first."""

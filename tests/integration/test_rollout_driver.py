@@ -1,0 +1,195 @@
+"""The per-group driver against a real engine server over HTTP, and a real reward server.
+
+No Ray here: the driver is what the rollout manager runs inside its actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from tether.engine.core import EngineCore
+from tether.engine.embedded import EmbeddedEngine
+from tether.engine.sampling import SamplingParams
+from tether.engine.server import EngineServer
+from tether.rewards.loader import RewardError
+from tether.rewards.scorer import Scorer
+from tether.rollout.driver import GroupDriver, Schedule
+from tether.rollout.filters import keep_all, nonzero_reward_std
+from tether.rollout.fleet import EngineFleet
+from tether.sample import Sample
+from tether.trainer.model import load_tokenizer
+
+pytestmark = pytest.mark.integration
+N = 4  # samples per group
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir)))
+    srv = EngineServer(core).start()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
+def groups(count: int):
+    for k in range(count):
+        yield [Sample(prompt_index=k, sample_index=j, prompt=f"{k}+1=", label=None, metadata={},
+                      prompt_ids=[5 + k % 10, 6, 7]) for j in range(N)]
+
+
+def run(engine, schedule, score, keep=keep_all, count=12, params=None, seed=3):
+    driver = GroupDriver(EngineFleet([engine.url], timeout_s=60), timeout_s=60)
+    params = params or SamplingParams(temperature=1.0, max_new_tokens=6)
+    return driver.run(groups(count), schedule, params, seed, score, keep, "test rollout")
+
+
+async def reward_by_prompt(samples):
+    # Prompts 0, 3, 6, ... get the same reward on every sample (the filter drops them); others vary.
+    for s in samples:
+        s.reward = 1.0 if s.prompt_index % 3 == 0 else float(s.sample_index % 2)
+
+
+def test_every_group_kept_without_a_filter(engine):
+    result = run(engine, Schedule(need=5, over_sampling_groups=5, max_concurrent_groups=2, waves=False),
+                 reward_by_prompt)
+    assert [g[0].prompt_index for g in result.kept] == [0, 1, 2, 3, 4] and result.consumed == 5
+    assert all(s.status in ("completed", "truncated") and s.weight_versions == [0] for g in result.kept for s in g)
+    assert result.metrics["rollout/groups_started"] == 5 and result.metrics["rollout/groups_aborted"] == 0
+    # Streaming and waves give the same tokens: each sample's seed depends on its place, not its batch.
+    waves = run(engine, Schedule(need=5, over_sampling_groups=5, max_concurrent_groups=None, waves=True),
+                reward_by_prompt)
+    assert [[s.response_ids for s in g] for g in waves.kept] == [[s.response_ids for s in g] for g in result.kept]
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_dynamic_filter_keeps_exactly_the_first_passing_groups(engine, waves):
+    result = run(engine, Schedule(need=4, over_sampling_groups=5, max_concurrent_groups=3, waves=waves),
+                 reward_by_prompt, nonzero_reward_std)
+    assert [g[0].prompt_index for g in result.kept] == [1, 2, 4, 5]  # 0 and 3 are all-correct
+    assert [s.group_index for g in result.kept for s in g][::N] == [1, 2, 4, 5]  # start order
+    m = result.metrics
+    assert m["rollout/groups_kept"] == 4 and m["rollout/groups_dropped/all_correct"] == 2
+    if waves:  # two waves of 5: everything started is consumed
+        assert m["rollout/groups_started"] == 10 and result.consumed == 10 and m["rollout/groups_aborted"] == 0
+    else:
+        assert result.consumed == 6 and m["rollout/groups_started"] >= 6
+
+
+def test_data_running_out_is_reported(engine):
+    result = run(engine, Schedule(need=4, over_sampling_groups=4, max_concurrent_groups=None, waves=False),
+                 reward_by_prompt, nonzero_reward_std, count=4)
+    assert result.exhausted and [g[0].prompt_index for g in result.kept] == [1, 2] and result.consumed == 4
+
+
+def test_groups_in_flight_at_the_cutoff_are_aborted(engine):
+    """Group 0 is judged last: while it scores, the engine is paused with later groups on it, so they are
+    still generating when the kept set is known and must be aborted, keeping their partial responses."""
+    client = httpx.Client(base_url=engine.url, timeout=10)
+
+    async def score(samples):
+        if samples[0].prompt_index == 0:
+            # Wait until group 2 (started when group 1 finished) is on the engine: rids are <tag>-<group>-<sample>.
+            while not any(rid.split("-")[1] == "2" for rid in list(engine.core._running)):
+                await asyncio.sleep(0.001)
+            client.post("/pause_generation")
+            threading.Timer(0.5, lambda: client.post("/continue_generation")).start()
+        for s in samples:
+            s.reward = 0.0
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=50, ignore_eos=True)
+    try:
+        result = run(engine, Schedule(need=1, over_sampling_groups=4, max_concurrent_groups=2, waves=False),
+                     score, params=params)
+    finally:
+        time.sleep(0.6)
+        client.close()
+    assert [g[0].prompt_index for g in result.kept] == [0] and result.consumed == 1
+    assert result.unfinished, "no group was in flight at the cutoff"
+    for g in result.unfinished:
+        assert all(s.status == "aborted" and s.response_length < 50 for s in g)
+    m = result.metrics
+    assert m["rollout/groups_aborted"] == len(result.unfinished)
+    assert m["rollout/samples_aborted"] >= N * len(result.unfinished)
+
+
+# ------------------------------------------------------------------ a remote reward server
+class RewardServer:
+    """A reward model over HTTP: scores 1 when the response is non-empty; can fail or stall on demand."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.fail_next = 0  # answer 503 to this many requests
+        self.stall_s = 0.0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                time.sleep(server.stall_s)
+                if self.path == "/bad":
+                    status, reply = 400, {"error": "bad request"}
+                elif server.fail_next:
+                    server.fail_next -= 1
+                    status, reply = 503, {"error": "busy"}
+                else:
+                    status = 200
+                    reply = {"rewards": [{"score": float(bool(s["response"])), "length": s["response_length"]}
+                                         for s in body["samples"]]}
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    server = RewardServer()
+    yield server
+    server.httpd.shutdown()
+
+
+def test_remote_reward_server_with_retries(engine, reward_server):
+    reward_server.fail_next = 2
+    scorer = Scorer(f"{reward_server.url}/score", reward_key="score", timeout_s=5, retries=2)
+    result = run(engine, Schedule(need=2, over_sampling_groups=2, max_concurrent_groups=None, waves=False),
+                 scorer.score_group)
+    samples = [s for g in result.kept for s in g]
+    assert all(s.reward == float(bool(s.response_text)) for s in samples)
+    assert all(s.reward_info["length"] == s.response_length for s in samples)
+    sent = reward_server.requests[-1]["samples"][0]
+    assert set(sent) >= {"prompt", "response", "label", "metadata", "prompt_index", "sample_index"}
+    assert len(reward_server.requests) == 4  # 2 answered 503 and were retried, then one per group
+
+
+def test_remote_reward_errors_name_the_server(engine, reward_server):
+    with pytest.raises(RewardError, match=r"/bad.*HTTP 400"):
+        asyncio.run(Scorer(f"{reward_server.url}/bad", retries=3).score_group(next(groups(1))))
+    reward_server.stall_s = 1.5
+    try:
+        with pytest.raises(RewardError, match=r"failed 2 time\(s\): no answer within 1s; no answer within 1s"):
+            asyncio.run(Scorer(f"{reward_server.url}/score", timeout_s=1, retries=1).score_group(next(groups(1))))
+    finally:
+        reward_server.stall_s = 0.0
+    with pytest.raises(RewardError, match="failed 1 time.*ConnectError"):
+        asyncio.run(Scorer("http://127.0.0.1:9/score", retries=0).score_group(next(groups(1))))

@@ -1,0 +1,111 @@
+"""Scoring a rollout: everything the config says about rewards, loaded once and applied per group.
+
+- ``rollout.reward``: a function of one sample (sync or async), or a reward server's URL;
+- ``rollout.group_reward``: a function of a whole group (pairwise or ranking judges), used instead;
+- ``rollout.reward_key``: the entry trained on when rewards are dicts;
+- ``rollout.reward_post_process``: a function over all the kept samples of a rollout, after scoring.
+
+Groups are scored as they finish (``score_group`` is a coroutine): async functions of the group's
+samples are awaited together, a sync function runs in a worker thread so that the rollout's other
+requests are served meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable
+
+from tether.importing import load_function
+from tether.rewards.loader import RewardError, RewardLoadError, load_reward_fn, reward_raised, set_reward
+from tether.rewards.remote import RemoteReward, is_remote
+from tether.rewards.signature import is_async, resolve
+from tether.sample import Sample
+
+
+class Scorer:
+    def __init__(self, reward: str, *, group_reward: str | None = None, reward_key: str | None = None,
+                 post_process: str | None = None, timeout_s: float = 60.0, retries: int = 2,
+                 field: str = "rollout.reward"):
+        self.key = reward_key
+        self.group_spec = group_reward
+        self.spec = group_reward or reward
+        self.remote = RemoteReward(reward, timeout_s, retries) if is_remote(reward) and not group_reward else None
+        self.fn = None if self.remote or group_reward else _named(load_reward_fn, reward, field)
+        self.group_fn = _named(lambda s: load_function(s, "group reward", RewardLoadError), group_reward,
+                               "rollout.group_reward") if group_reward else None
+        self.post_fn = _named(lambda s: load_function(s, "reward post-process", RewardLoadError), post_process,
+                              "rollout.reward_post_process") if post_process else None
+        self.post_spec = post_process
+
+    async def score_group(self, samples: list[Sample]) -> None:
+        """Set the reward of every sample of one group."""
+        if self.group_fn is not None:
+            values = await self._group(samples)
+        elif self.remote is not None:
+            values = await self.remote.score(samples)
+        elif is_async(self.fn):
+            values = await asyncio.gather(*(self._one_async(s) for s in samples))
+        else:
+            values = await asyncio.to_thread(lambda: [self._one(s) for s in samples])
+        for sample, value in zip(samples, values):
+            set_reward(sample, value, self.spec, self.key)
+
+    def score(self, samples: list[Sample], group_size: int) -> list[float]:
+        """``score_group`` for each group, outside an event loop (the eval's constant-answer check)."""
+        async def run() -> None:
+            for k in range(0, len(samples), group_size):
+                await self.score_group(samples[k:k + group_size])
+        asyncio.run(run())
+        return [float(s.reward) for s in samples]
+
+    def _one(self, sample: Sample) -> Any:
+        try:
+            return resolve(self.fn(sample))
+        except Exception as exc:
+            raise reward_raised(self.spec, sample, exc) from exc
+
+    async def _one_async(self, sample: Sample) -> Any:
+        try:
+            return await self.fn(sample)
+        except Exception as exc:
+            raise reward_raised(self.spec, sample, exc) from exc
+
+    async def _group(self, samples: list[Sample]) -> list:
+        try:
+            if inspect.iscoroutinefunction(self.group_fn):
+                values = await self.group_fn(samples)
+            else:
+                values = await asyncio.to_thread(lambda: resolve(self.group_fn(samples)))
+        except Exception as exc:
+            raise RewardError(f"rollout.group_reward '{self.group_spec}' raised {type(exc).__name__}: {exc} "
+                              f"(group of rollout {samples[0].rollout_id}, prompt_index={samples[0].prompt_index})") from exc
+        if not isinstance(values, (list, tuple)) or len(values) != len(samples):
+            raise RewardError(f"rollout.group_reward '{self.group_spec}' returned {values!r:.200} for a group of "
+                              f"{len(samples)} samples; expected a list of {len(samples)} rewards")
+        return list(values)
+
+    def post_process(self, samples: list[Sample]) -> None:
+        """Run the post-process hook over a rollout's samples: it changes rewards in place, or returns new ones."""
+        if self.post_fn is None:
+            return
+        try:
+            values = resolve(self.post_fn(samples))
+        except Exception as exc:
+            raise RewardError(f"rollout.reward_post_process '{self.post_spec}' raised {type(exc).__name__}: {exc}") from exc
+        if values is not None:
+            if len(values) != len(samples):
+                raise RewardError(f"rollout.reward_post_process '{self.post_spec}' returned {len(values)} rewards "
+                                  f"for {len(samples)} samples")
+            for sample, value in zip(samples, values):
+                set_reward(sample, value, self.post_spec, self.key)
+        for sample in samples:  # a hook that wrote sample.reward directly is checked too
+            set_reward(sample, sample.reward, self.post_spec, self.key)
+
+
+def _named(load: Callable[[str], Callable], spec: str, field: str) -> Callable:
+    """``load(spec)``, with an error that names the config field."""
+    try:
+        return load(spec)
+    except RewardLoadError as err:
+        raise RewardLoadError(f"{field}: {err}") from None

@@ -1,0 +1,222 @@
+"""The rollout driver: groups generated concurrently, scored as they finish, kept when a filter passes them.
+
+A group is the n samples of one prompt. The driver takes groups from a source in order, gives each a
+start index (0, 1, 2, ...), and keeps the first ``need`` groups, in start order, that the filter
+passes. Which groups are kept therefore depends only on each group's own outcome (its samples have
+their own seeds), never on which finished first.
+
+Two schedules:
+- streaming (the default): every group is its own /generate request, at most
+  ``max_concurrent_groups`` in flight. A group is scored the moment it finishes, while others still
+  generate. When a dropped group leaves room, the next group starts. As soon as the first ``need``
+  passing groups are known, everything started after them is aborted on the engines.
+- waves (``deterministic: true``): ``over_sampling_groups`` groups at a time, cut into one request per
+  engine, a wave finishing before the next starts. The engines then batch exactly the same requests
+  on every run, so generation is bitwise repeatable (streaming batches groups as they happen to
+  arrive, which moves log-probs by ~1e-6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterator
+
+import httpx
+
+from tether.engine.sampling import SamplingParams
+from tether.rollout.fleet import EngineFleet, split_groups
+from tether.sample import Sample
+
+Group = list[Sample]
+ScoreFn = Callable[[Group], Awaitable[None]]
+KeepFn = Callable[[Group], tuple[bool, str]]
+
+
+@dataclass
+class Started:
+    start: int
+    samples: Group
+    kept: bool | None = None  # None until generated and scored
+    reason: str = ""
+
+
+@dataclass
+class DriverResult:
+    kept: list[Group]
+    """The first ``need`` groups the filter passed, in start order (fewer when the source ran out)."""
+    unfinished: list[Group]
+    """Groups started after the last kept one and cut short by the abort (their partial responses)."""
+    surplus: list[Group]
+    """Groups that finished after the last kept one (not trained on)."""
+    consumed: int
+    """Groups of the source used up: through the last kept one (all started ones when it ran out)."""
+    exhausted: bool
+    """The source ran out before ``need`` groups passed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Schedule:
+    need: int
+    """Groups to keep."""
+    over_sampling_groups: int
+    """Groups started at first (and started-and-not-dropped at most, streaming); a wave's size (waves)."""
+    max_concurrent_groups: int | None
+    waves: bool
+
+
+class GroupDriver:
+    def __init__(self, fleet: EngineFleet, timeout_s: float):
+        self.fleet = fleet
+        self.timeout_s = timeout_s
+
+    def run(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
+            score: ScoreFn, keep: KeepFn, what: str) -> DriverResult:
+        return asyncio.run(self._run(groups, schedule, params, seed, score, keep, what))
+
+    async def _run(self, groups, schedule, params, seed, score, keep, what) -> DriverResult:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what)
+            start = time.perf_counter()
+            result = await (run.waves() if schedule.waves else run.streaming())
+            result.metrics["timing/generate_s"] = time.perf_counter() - start
+            result.metrics["timing/reward_s"] = run.reward_s
+            return result
+
+
+class _Run:
+    """One driver run: the started groups, in start order, and what became of each."""
+
+    def __init__(self, fleet, client, groups, schedule: Schedule, params, seed, score, keep, what):
+        self.fleet, self.client, self.source, self.s = fleet, client, groups, schedule
+        self.params, self.seed, self.score, self.keep, self.what = params, seed, score, keep, what
+        self.timeout_s = fleet.timeout_s
+        self.started: list[Started] = []
+        self.cut = False  # set once the kept groups are known: later aborts are ours
+        self.exhausted = False
+        self.tag = uuid.uuid4().hex[:8]
+        self.reward_s = 0.0
+        self.aborted_samples = 0
+
+    def _next(self) -> Started | None:
+        group = next(self.source, None)
+        if group is None:
+            self.exhausted = True
+            return None
+        item = Started(len(self.started), group)
+        for s in group:
+            s.group_index = item.start
+        self.started.append(item)
+        return item
+
+    def _seeds(self, samples: list[Sample], n: int) -> list[int]:
+        # As in a single batch of all groups: sample j of the k-th group started has seed position k*n + j.
+        return [self.seed * 1_000_003 + s.group_index * n + s.sample_index for s in samples]
+
+    def _rids(self, group: Group) -> list[str]:
+        return [f"{self.tag}-{s.group_index}-{s.sample_index}" for s in group]
+
+    async def _judge(self, item: Started) -> None:
+        if any(s.status == "aborted" for s in item.samples):
+            if not self.cut:  # the engine gave up on it (its request timeout): a dropped group
+                item.kept, item.reason = False, "aborted_by_engine"
+            return  # cut short by our abort: neither kept nor dropped, it is unfinished
+        start = time.perf_counter()
+        await asyncio.wait_for(self.score(item.samples), self.timeout_s)
+        self.reward_s += time.perf_counter() - start
+        item.kept, item.reason = self.keep(item.samples)
+
+    async def _group(self, item: Started) -> None:
+        g = item.samples
+        await self.fleet.generate(self.client, g, self.params, self._seeds(g, len(g)), self._rids(g),
+                                  f"{self.what}, group {item.start}")
+        await self._judge(item)
+
+    def _cutoff(self) -> int | None:
+        """Start index of the ``need``-th kept group, once every group before it is decided."""
+        kept = 0
+        for item in self.started:
+            if item.kept is None:
+                return None
+            kept += item.kept
+            if kept == self.s.need:
+                return item.start
+        return None
+
+    def _live(self) -> int:
+        return sum(item.kept is not False for item in self.started)
+
+    async def streaming(self) -> DriverResult:
+        tasks: dict[asyncio.Task, Started] = {}
+        cap = self.s.max_concurrent_groups or self.s.over_sampling_groups
+        try:
+            cutoff = None
+            while cutoff is None:
+                while not self.exhausted and len(tasks) < cap and self._live() < self.s.over_sampling_groups:
+                    item = self._next()
+                    if item is not None:
+                        tasks[asyncio.create_task(self._group(item))] = item
+                if not tasks:
+                    break
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    tasks.pop(task)
+                    task.result()  # a failed generation or reward fails the rollout here
+                cutoff = self._cutoff()
+            self.cut = True
+            await self._abort([tasks[t] for t in tasks])
+            await asyncio.gather(*tasks)
+        except BaseException:
+            await self._abort_quietly(list(tasks.values()))
+            raise
+        return self._result(cutoff)
+
+    async def waves(self) -> DriverResult:
+        cutoff = None
+        while cutoff is None and not self.exhausted:
+            wave = [item for item in (self._next() for _ in range(self.s.over_sampling_groups)) if item is not None]
+            if not wave:
+                break
+            samples = [s for item in wave for s in item.samples]
+            n = len(wave[0].samples)
+            parts = [p for p in split_groups(len(samples), n, self.fleet.num_engines) if p]
+            await asyncio.gather(*(self.fleet.generate(
+                self.client, [samples[i] for i in part], self.params,
+                self._seeds([samples[i] for i in part], n), self._rids([samples[i] for i in part]),
+                f"{self.what}, groups {wave[0].start}..{wave[-1].start}") for part in parts))
+            await asyncio.gather(*(self._judge(item) for item in wave))
+            cutoff = self._cutoff()
+        return self._result(cutoff)
+
+    async def _abort(self, items: list[Started]) -> None:
+        if items:
+            rids = [rid for item in items for rid in self._rids(item.samples)]
+            await self.fleet.abort(self.client, rids)
+            self.aborted_samples += len(rids)
+
+    async def _abort_quietly(self, items: list[Started]) -> None:
+        # Failing already: stop the engines' work on the other groups, without hiding the first error.
+        try:
+            await asyncio.wait_for(self._abort(items), 10)
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
+
+    def _result(self, cutoff: int | None) -> DriverResult:
+        last = cutoff if cutoff is not None else len(self.started) - 1
+        kept = [i.samples for i in self.started[:last + 1] if i.kept]
+        after = self.started[last + 1:]
+        reasons = Counter(i.reason or "filtered" for i in self.started[:last + 1] if i.kept is False)
+        metrics = {"rollout/groups_started": float(len(self.started)), "rollout/groups_kept": float(len(kept)),
+                   "rollout/groups_dropped": float(sum(reasons.values())),
+                   "rollout/groups_aborted": float(sum(i.kept is None for i in after)),
+                   "rollout/samples_aborted": float(self.aborted_samples),
+                   **{f"rollout/groups_dropped/{r}": float(c) for r, c in reasons.items()}}
+        consumed = len(self.started) if cutoff is None or self.s.waves else cutoff + 1
+        return DriverResult(kept=kept, unfinished=[i.samples for i in after if i.kept is None],
+                            surplus=[i.samples for i in after if i.kept is not None], consumed=consumed,
+                            exhausted=cutoff is None, metrics=metrics)

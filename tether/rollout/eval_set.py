@@ -1,0 +1,81 @@
+"""Eval sets: their samples, scores, pass@k and per-prompt pass rates, and the constant-answer baseline."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import replace
+from math import comb
+
+from tether.config import EvalDatasetConfig
+from tether.engine.sampling import SamplingParams
+from tether.rewards.scorer import Scorer
+from tether.rollout.data_source import PromptRow
+from tether.sample import Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a prompt with ``c`` passing responses among ``n`` (Chen et al., 2021):
+    the chance that k responses drawn without replacement from the n include a passing one,
+    1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def reported_ks(n: int) -> list[int]:
+    """Every k up to 8; beyond, the powers of two and n itself (pass@1..n of n=64 would flood the logs)."""
+    if n <= 8:
+        return list(range(1, n + 1))
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+
+
+def prompt_pass_rates(samples: list[Sample], n: int, threshold: float) -> list[dict]:
+    """One row per prompt: how many of its n responses passed, and its mean reward."""
+    rows = []
+    for k in range(0, len(samples), n):
+        group = samples[k:k + n]
+        passed = sum(float(s.reward) >= threshold for s in group)
+        rows.append({"prompt_index": group[0].prompt_index, "prompt": group[0].prompt, "label": group[0].label,
+                     "n": len(group), "passed": passed, "pass_rate": passed / len(group),
+                     "mean_reward": statistics.fmean(float(s.reward) for s in group)})
+    return rows
+
+
+def pass_metrics(rows: list[dict], n: int, name: str) -> dict[str, float]:
+    """eval/<name>/pass@k for every reported k (mean over prompts), from the per-prompt counts."""
+    if n < 2:
+        return {}
+    return {f"eval/{name}/pass@{k}": statistics.fmean(pass_at_k(r["n"], r["passed"], k) for r in rows)
+            for k in reported_ks(n)}
+
+
+class EvalSet:
+    """One named eval dataset with its own sampling settings and reward."""
+
+    def __init__(self, cfg: EvalDatasetConfig, rows: list[PromptRow], scorer: Scorer):
+        self.cfg = cfg
+        self.rows = rows
+        self.scorer = scorer
+        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_new_tokens=cfg.max_response_len)
+        self._constant_scores: dict[str, float] = {}
+
+    def constant_answer_score(self, samples: list[Sample], answers: Counter) -> float:
+        """The best score one fixed answer given to every prompt would get: what a run that collapsed
+        onto a single answer scores. Tried: the model's 3 most common answers and the 3 most common
+        labels (each scored once per eval set, then cached)."""
+        labels = Counter(str(s.label) for s in samples if s.label is not None)
+        candidates = list(dict.fromkeys([a for a, _ in answers.most_common(3)] + [a for a, _ in labels.most_common(3)]))
+        for answer in candidates:
+            if answer not in self._constant_scores:
+                copies = [replace(s, response_text=answer, metadata=dict(s.metadata)) for s in samples]
+                self._constant_scores[answer] = statistics.fmean(
+                    self.scorer.score(copies, self.cfg.n_samples_per_prompt))
+        return max(self._constant_scores[a] for a in candidates)
+
+    def groups(self) -> list[list[Sample]]:
+        return [[Sample(prompt_index=r.index, sample_index=j, prompt=r.prompt, label=r.label,
+                        metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids), group_index=k)
+                 for j in range(self.cfg.n_samples_per_prompt)]
+                for k, r in enumerate(self.rows)]
