@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg), end="")
             return 0
         check_inputs(cfg, args.command)
+        if args.command in ("train", "eval"):
+            from tether.rollout.manager import check_user_functions
+
+            check_user_functions(cfg)
         _run(args, cfg)
     except ConfigError as err:  # also a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tether.checkpoint import META, find_latest
@@ -38,6 +39,24 @@ def scores_table(metrics: dict) -> str:
         lines.append(f"{name:<16} {metrics[f'eval/{name}/score']:>8.3f} "
                      f"{metrics.get(f'eval/{name}/constant_answer_score', float('nan')):>16.3f} "
                      f"{metrics.get(f'eval/{name}/top_answer_share', float('nan')):>17.3f}")
+    return "\n".join(lines)
+
+
+def pass_rates_table(metrics: dict, rollouts: Path, step: int = 0) -> str:
+    """pass@k of each set sampled more than once, and how many prompts passed 0, 1, ..., n of n times
+    (from the per-prompt file written next to the samples)."""
+    lines = []
+    for path in sorted(rollouts.glob(f"eval_*_{step:06d}_prompts.jsonl")):
+        name = path.name[len("eval_"):-len(f"_{step:06d}_prompts.jsonl")]
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        n = max((r["n"] for r in rows), default=1)
+        if n < 2:
+            continue
+        ks = sorted((int(k.rpartition("@")[2]), v) for k, v in metrics.items() if k.startswith(f"eval/{name}/pass@"))
+        counts = Counter(r["passed"] for r in rows)
+        lines.append(f"{name}: " + "  ".join(f"pass@{k} {v:.3f}" for k, v in ks))
+        lines.append(f"  prompts by passes of {n}: " + "  ".join(f"{c}/{n}: {counts.get(c, 0)}" for c in range(n + 1))
+                     + f"   (per prompt: {path})")
     return "\n".join(lines)
 
 
@@ -79,6 +98,9 @@ def evaluate(cfg: TetherConfig, model: str | None, out: str | None) -> dict:
     for text in warnings:
         print(f"!! WARNING: {text}", file=sys.stderr)
     print(f"model {path}\n{scores_table(metrics)}\nsamples and per-answer counts: {out_dir / 'rollouts'}")
+    passes = pass_rates_table(metrics, out_dir / "rollouts")
+    if passes:
+        print(passes)
     result = {"model": path, "metrics": metrics, "warnings": warnings}
     (out_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     return result

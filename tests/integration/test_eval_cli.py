@@ -66,3 +66,21 @@ def test_report_prints_before_after_and_best(trained_run, capsys):
     assert "add: " in text and "(step 0) ->" in text and "(step 3)" in text and "best" in text
     assert "constant answer" in text and str(tmp / "run" / "curves.png") in text
     assert main(["report", str(tmp / "nothing")]) == 2
+
+
+def test_eval_with_n_samples_reports_pass_at_k_and_per_prompt_rates(trained_run, tmp_path, capsys):
+    tmp, config = trained_run
+    raw = yaml.safe_load(config.read_text())
+    raw["eval"]["datasets"][0].update(n_samples_per_prompt=4, temperature=1.0, reward="f1", pass_threshold=0.5)
+    sampled = tmp_path / "sampled.yaml"
+    sampled.write_text(yaml.safe_dump(raw))
+    assert main(["eval", "--config", str(sampled), "--model", str(tmp / "run" / "hf"), "--out", str(tmp_path / "ev")]) == 0
+    metrics = json.loads((tmp_path / "ev" / "eval.json").read_text())["metrics"]
+    prompts = rows(tmp_path / "ev" / "rollouts" / "eval_add_000000_prompts.jsonl")
+    assert len(prompts) == 8 and all(p["n"] == 4 and 0 <= p["passed"] <= 4 for p in prompts)
+    passes = [metrics[f"eval/add/pass@{k}"] for k in (1, 2, 3, 4)]
+    assert passes == sorted(passes)  # more tries never pass less
+    assert passes[0] == pytest.approx(sum(p["pass_rate"] for p in prompts) / 8)
+    assert passes[3] == pytest.approx(sum(p["passed"] > 0 for p in prompts) / 8)
+    out = capsys.readouterr().out
+    assert "add: pass@1 " in out and "prompts by passes of 4: 0/4:" in out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_config
+from tests.conftest import USER_REWARD, tiny_config
 from tether.checkpoint import find_latest
 from tether.config import config_from_dict
 from tether.train import train
@@ -149,3 +149,24 @@ def test_ppo_with_a_critic_trains_saves_and_resumes(ray_session, tiny_model_dir,
     train(config(3, load=str(tmp_path / "run" / "checkpoints")))  # the critic's state comes back too
     rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["train/critic/value_loss"] > 0
+
+
+def test_dynamic_sampling_keeps_exactly_prompts_per_rollout_groups(ray_session, tiny_model_dir, addition_data,
+                                                                   tmp_path):
+    """DAPO's filter: groups whose rewards are all equal (even labels score 1 everywhere) are dropped and
+    more groups are started until 4 pass; the data position moves past exactly the prompts used."""
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", eval={"interval": None, "datasets": []},
+                      rollout={"num_rollout": 2, "reward": f"{USER_REWARD}:constant_when_label_is_even",
+                               "dynamic_filter": "nonzero_reward_std", "over_sampling_groups": 6,
+                               "max_concurrent_groups": 3})
+    train(config_from_dict(raw))
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")[1:]
+    for row, k in zip(rows, (0, 1)):
+        dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
+        assert [d["group_index"] for d in dumped] == [g for g in range(4) for _ in range(4)]
+        groups = [dumped[g * 4:(g + 1) * 4] for g in range(4)]
+        assert all(len({d["reward"] for d in g}) > 1 for g in groups)
+        assert all(int(g[0]["label"]) % 2 == 1 for g in groups)
+        assert row["rollout/groups_kept"] == 4
+        assert row["rollout/groups_started"] >= 4 + row["rollout/groups_dropped"]
+    assert sum(row.get("rollout/groups_dropped/all_correct", 0) for row in rows) >= 1

@@ -141,3 +141,21 @@ def test_peek_and_advance_draw_any_number_of_groups():
     assert data.epoch == 1 and next(data.peek_groups())[0].prompt_index == 0
     with pytest.raises(ValueError, match="cannot advance 11"):
         data.advance(11)
+
+
+def test_bad_functions_fail_before_anything_starts(tmp_path):
+    from tether.config import ConfigError, config_from_dict
+    from tether.rollout.manager import check_user_functions
+
+    user = tmp_path / "fns.py"
+    user.write_text("def ok(sample):\n    return 1.0\n")
+    cfg = config_from_dict({"model": {"path": str(tmp_path)},
+                            "rollout": {"reward": f"{user}:ok", "dynamic_filter": f"{user}:missing",
+                                        "group_reward": "no_such_module:fn"},
+                            "algorithm": {"policy_loss": f"{tmp_path}/loss.py:fn"}})
+    with pytest.raises(ConfigError) as err:
+        check_user_functions(cfg)
+    text = str(err.value)
+    assert "rollout.group_reward: group reward spec 'no_such_module:fn': module 'no_such_module' not found" in text
+    assert f"rollout.dynamic_filter: dynamic filter spec '{user}:missing'" in text and "has no attribute" in text
+    assert "algorithm.policy_loss:" in text and "loss.py' not found" in text

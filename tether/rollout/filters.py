@@ -43,7 +43,10 @@ def load_filter(spec: str | None, field: str = "rollout.dynamic_filter") -> Filt
     if spec is None:
         return keep_all
     if ":" in spec:
-        fn = load_function(spec, "dynamic filter", FilterError)
+        try:
+            fn = load_function(spec, "dynamic filter", FilterError)
+        except FilterError as err:
+            raise FilterError(f"{field}: {err}") from None
     elif spec in BUILTIN_FILTERS:
         fn = BUILTIN_FILTERS[spec]
     else:

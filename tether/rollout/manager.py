@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Iterator
 
 from tether.batch import TrainBatch
-from tether.config import TetherConfig, config_from_dict
+from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
+from tether.rewards.loader import RewardLoadError
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
 from tether.rollout.data_source import DataSource, load_prompt_rows
 from tether.rollout.driver import DriverResult, GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
-from tether.rollout.filters import keep_all, load_filter
+from tether.rollout.filters import FilterError, keep_all, load_filter
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.health import RolloutHealth, answer_counts
@@ -52,6 +53,29 @@ async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -
     await scorer.score_group(group)
     if r.overlong_buffer_len is not None:
         apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+
+
+def check_user_functions(cfg: TetherConfig) -> None:
+    """Load every user function the rollout will call (rewards, group reward, post-process, filter) once
+    in the launching process, so that a bad spec fails before Ray starts, naming its config field."""
+    problems = []
+    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter)]
+    checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
+               for i, e in enumerate(cfg.eval.datasets) if e.reward]
+    for load in checks:
+        try:
+            load()
+        except (RewardLoadError, FilterError) as err:
+            problems.append(f"  {err}")
+    if ":" in cfg.algorithm.policy_loss:
+        from tether.algorithms.losses import get_policy_loss
+
+        try:
+            get_policy_loss(cfg.algorithm.policy_loss)
+        except ValueError as err:
+            problems.append(f"  algorithm.policy_loss: {err}")
+    if problems:
+        raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
 
 
 def _renumbered(group: list[Sample], k: int) -> list[Sample]:
