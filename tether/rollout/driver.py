@@ -214,6 +214,7 @@ class _Run:
         metrics = {"rollout/groups_started": float(len(self.started)), "rollout/groups_kept": float(len(kept)),
                    "rollout/groups_dropped": float(sum(reasons.values())),
                    "rollout/groups_aborted": float(sum(i.kept is None for i in after)),
+                   "rollout/groups_surplus": float(sum(i.kept is not None for i in after)),
                    "rollout/samples_aborted": float(self.aborted_samples),
                    **{f"rollout/groups_dropped/{r}": float(c) for r, c in reasons.items()}}
         consumed = len(self.started) if cutoff is None or self.s.waves else cutoff + 1

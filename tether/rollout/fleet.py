@@ -76,10 +76,7 @@ class EngineFleet:
         so far) with the tokens left of ``params.max_new_tokens``.
         """
         start = time.perf_counter()
-        payload = {"input_ids": [s.prompt_ids + s.response_ids for s in samples],
-                   "sampling_params": [sampling_payload(params, seed, params.max_new_tokens - s.response_length)
-                                       for s, seed in zip(samples, seeds)],
-                   "rid": rids, "return_logprob": True}
+        payload = self.payload(samples, params, seeds, rids)
         try:
             outputs = await self.router.generate_async(client, payload)
         except httpx.HTTPStatusError as err:
@@ -91,6 +88,12 @@ class EngineFleet:
                                   f"({err!r})") from None
         for sample, out in zip(samples, outputs):
             fill_response(sample, out)
+
+    def payload(self, samples: list[Sample], params: SamplingParams, seeds: list[int], rids: list[str]) -> dict:
+        return {"input_ids": [s.prompt_ids + s.response_ids for s in samples],
+                "sampling_params": [sampling_payload(params, seed, params.max_new_tokens - s.response_length)
+                                    for s, seed in zip(samples, seeds)],
+                "rid": rids, "return_logprob": True}
 
     async def abort(self, client: httpx.AsyncClient, rids: list[str]) -> int:
         return await self.router.abort_async(client, rids)
