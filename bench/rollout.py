@@ -15,7 +15,6 @@ Prints rollout seconds (median of 3) and generated tokens/s of each, and the rat
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import statistics

@@ -3,6 +3,7 @@
     tether train  --config recipe.yaml [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
     tether sft    --config sft.yaml    [section.field=value ...] [--overwrite] [--dry-run]
     tether eval   --config recipe.yaml [section.field=value ...] [--model DIR] [--out DIR] [--dry-run]
+    tether rollout --config recipe.yaml [section.field=value ...] [--overwrite] [--dry-run]
     tether report RUN_DIR
     tether export CKPT OUT
 """
@@ -19,6 +20,7 @@ COMMANDS = {
     "train": "RL training (rollout -> reward -> train -> weight sync)",
     "sft": "supervised fine-tuning through the same trainer (then the eval sets, when configured)",
     "eval": "score a model (an HF directory or a checkpoint) on the config's eval sets",
+    "rollout": "generate, score and save rollouts of model.path without training (debug.save_rollouts)",
 }
 
 
@@ -30,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", "-c", help="YAML recipe")
         p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
         p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
-        if name in ("train", "sft"):
+        if name in ("train", "sft", "rollout"):
             p.add_argument("--overwrite", action="store_true", help="start afresh even if output_dir holds an "
                            "earlier run (its logs and checkpoints are deleted)")
         if name == "train":
@@ -62,6 +64,10 @@ def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
         from tether.train import train
 
         train(cfg, overwrite=args.overwrite, config_path=args.config)
+    elif args.command == "rollout":
+        from tether.train import generate_rollouts
+
+        generate_rollouts(cfg, overwrite=args.overwrite, config_path=args.config)
     elif args.command == "sft":
         from tether.sft import sft
 
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg), end="")
             return 0
         check_inputs(cfg, args.command)
-        if args.command in ("train", "eval"):
+        if args.command in ("train", "eval", "rollout"):
             from tether.rollout.manager import check_user_functions
 
             check_user_functions(cfg)

@@ -345,6 +345,15 @@ class TrackingConfig(Section):
     """Print one line per rollout."""
 
 
+class DebugConfig(Section):
+    save_rollouts: str | None = None
+    """Where each rollout is written as rollout_<id>.jsonl (every field needed to train on it again:
+    tokens, loss masks, log-probs, rewards) and eval samples beside them. None: <output_dir>/rollouts."""
+    load_rollouts: str | None = None
+    """Train on rollouts saved earlier (a directory of rollout_<id>.jsonl, from a run or `tether
+    rollout`) instead of generating: no engines start, rollout k reads rollout_<k>.jsonl, eval is off."""
+
+
 class SFTConfig(Section):
     path: str | None = None
     """JSONL file with prompt and response per row (supervised fine-tuning)."""
@@ -387,6 +396,8 @@ class TetherConfig(Section):
     """Metrics destinations."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning data (`tether sft`)."""
+    debug: DebugConfig = DebugConfig()
+    """Saving rollouts, and training on saved ones."""
 
     @model_validator(mode="after")
     def _check_consistency(self) -> TetherConfig:
@@ -532,8 +543,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def check_inputs(cfg: TetherConfig, command: str) -> None:
     """Fail before any process starts when a file the command needs is missing; names the field."""
     needed = {"model.path": cfg.model.path}
-    if command == "train":
+    if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
         needed["data.path"] = cfg.data.path
+    if command == "train" and cfg.debug.load_rollouts is not None:
+        needed["debug.load_rollouts"] = cfg.debug.load_rollouts
     elif command == "sft":
         needed["sft.path"] = cfg.sft.path
     if command == "eval":

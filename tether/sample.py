@@ -106,6 +106,14 @@ class Sample:
         }
 
 
+def sample_from_dict(row: dict) -> Sample:
+    """The Sample a ``to_dict`` row describes (a saved rollout read back)."""
+    fields = {k: v for k, v in row.items() if k != "response_length"}
+    if fields.get("response_logprobs") is not None:
+        fields["response_logprobs"] = [float("nan") if x is None else x for x in fields["response_logprobs"]]
+    return Sample(**fields)
+
+
 STATUS_OF_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 """The status a finished generation gets from the engine's finish reason."""
 

@@ -15,6 +15,7 @@ from tether.resume import check_resume_config, trim_jsonl
 from tether.run_dir import claim
 from tether.trainer.actor import TRAINED_SAMPLES
 from tether.rollout.handle import RolloutHandle, create_engines
+from tether.rollout.replay import ReplayRollout, WithoutEngines
 from tether.tracking import Tracker
 from tether.trainer.group import TrainerGroup
 
@@ -79,8 +80,9 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
     load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
     placement = plan_placement(cfg.cluster)
     trainer = TrainerGroup(cfg, placement)
-    engines = create_engines(cfg, placement)
-    rollout = RolloutHandle(cfg, engines)
+    replay = cfg.debug.load_rollouts is not None  # saved rollouts stand in for the engines
+    engines = [] if replay else create_engines(cfg, placement)
+    rollout = ReplayRollout(cfg) if replay else RolloutHandle(cfg, engines)
     try:
         per_epoch = rollout.num_rollout_per_epoch()
         num_rollout = cfg.rollout.num_rollout or per_epoch * cfg.rollout.num_epoch
@@ -88,10 +90,11 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
         trainer.init(num_rollout * (samples // cfg.global_batch_size), cfg.algorithm.needs_ref_model, load_path)
         if load_path:
             rollout.load_state(load_path)
-        trainer.connect_engines(engines)
+        if engines:
+            trainer.connect_engines(engines)
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,
-                        offload=cfg.cluster.offload, has_eval=bool(cfg.eval.datasets),
+                        offload=cfg.cluster.offload and not replay, has_eval=bool(cfg.eval.datasets) and not replay,
                         redo_eval=meta.get("redo_eval", False))
         # Same run id on resume: TensorBoard and W&B continue the run instead of starting another.
         tracker = make_tracker(cfg, run_id=meta.get("tracker_run_id"))
@@ -105,11 +108,37 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
             for warning in rollout.info["warnings"]:
                 tracker.warn(warning)
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
-            run_loop(plan, trainer, rollout, checkpointer, tracker, progress=bar)
+            run_loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar)
             if cfg.checkpoint.export_hf:
                 trainer.save_hf(str(Path(cfg.output_dir) / "hf"))
         return tracker.finish()
     finally:
         rollout.shutdown()
         trainer.shutdown()
+        placement.remove()
+
+
+def generate_rollouts(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
+    """`tether rollout`: rollouts 0..num_rollout-1 of model.path, generated, scored and saved as
+    rollout_<id>.jsonl (debug.save_rollouts, default <output_dir>/rollouts), without training: every
+    rollout samples the same policy, drawing prompts as a training run would."""
+    for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite, command="rollout",
+                      config_path=config_path):
+        print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
+    placement = plan_placement(cfg.cluster)
+    engines = create_engines(cfg, placement)
+    rollout = RolloutHandle(cfg, engines)
+    try:
+        num_rollout = cfg.rollout.num_rollout or rollout.num_rollout_per_epoch() * cfg.rollout.num_epoch
+        with make_tracker(cfg) as tracker:
+            bar = tracker.progress(num_rollout, "rollouts")
+            for rollout_id in range(num_rollout):
+                _, metrics = rollout.generate(rollout_id)
+                tracker.log(rollout_id + 1, metrics, total=num_rollout)
+                bar.update(1)
+        print(f"[tether] {num_rollout} rollout(s) saved in {cfg.debug.save_rollouts or Path(cfg.output_dir) / 'rollouts'}; "
+              f"train on them with debug.load_rollouts=<that directory>", file=sys.stderr)
+        return tracker.finish()
+    finally:
+        rollout.shutdown()
         placement.remove()

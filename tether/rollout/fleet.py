@@ -26,7 +26,7 @@ def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:
 
 def sampling_payload(params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> dict:
     return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "min_p": params.min_p, "max_new_tokens": max_new_tokens or params.max_new_tokens,
+            "min_p": params.min_p, "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids), "stop": list(params.stop),
             "ignore_eos": params.ignore_eos, "sampling_seed": seed}
 

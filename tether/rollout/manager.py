@@ -153,7 +153,7 @@ class RolloutManager:
         self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0],
                                   make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
                           for i, e in enumerate(self.cfg.eval.datasets)]
-        self.samples_dir = Path(self.cfg.output_dir) / "rollouts"
+        self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
         self.health = RolloutHealth(r.n_samples_per_prompt)
 
     def num_rollout_per_epoch(self) -> int:
