@@ -139,6 +139,11 @@ class RolloutConfig(Section):
     as groups are dropped, more start, up to this many not dropped at a time."""
     max_concurrent_groups: int | None = Field(None, ge=1)
     """Most groups generating at once (each is one request to an engine). None: over_sampling_groups."""
+    partial_rollout: bool = False
+    """Groups still generating when a rollout has its groups (with over-sampling) are aborted but kept,
+    with what they generated, and continued first by the next rollout (tether/rollout/buffer.py)."""
+    mask_offpolicy_partial: bool = False
+    """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
     """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
     groups that passed (with a warning), or stop the run with an error."""

@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 6
 
 
-def write_config(tmp_path: Path, model_dir: Path, data: dict, name: str, **cluster) -> Path:
+def write_config(tmp_path: Path, model_dir: Path, data: dict, name: str, rollout: dict | None = None,
+                 **cluster) -> Path:
     train = tmp_path / "train12.jsonl"
     if not train.exists():
         rows = data["train"].read_text().splitlines()[:12]
         train.write_text("\n".join(rows) + "\n")
     raw = tiny_config(model_dir, {**data, "train": train}, tmp_path / name,
-                      rollout={"num_rollout": NUM_ROLLOUT}, checkpoint={"save_interval": 2},
+                      rollout={"num_rollout": NUM_ROLLOUT, **(rollout or {})}, checkpoint={"save_interval": 2},
                       cluster={"torch_threads": 1, **cluster}, eval={"interval": None, "datasets": []})
     raw["deterministic"] = True
     path = tmp_path / f"{name}.yaml"
@@ -170,3 +171,25 @@ def test_resume_refuses_a_breaking_config_change(straight, tmp_path):
     assert proc.returncode != 0
     assert "rollout.n_samples_per_prompt: 4 in the checkpoint, 2 now" in proc.stderr
     assert "train.global_batch_size" in proc.stderr
+
+
+def test_partial_rollout_buffer_survives_a_kill(tiny_model_dir, addition_data, tmp_path):
+    """6 groups start per rollout and 4 are kept: the 2 left over wait in the partial-rollout buffer for
+    the next rollout. The buffer is in every checkpoint, so a run killed and resumed trains on the
+    same groups in the same order as an uninterrupted one, to the same weights."""
+    partial = {"partial_rollout": True, "over_sampling_groups": 6}
+    straight_cfg = write_config(tmp_path, tiny_model_dir, addition_data, "partial", rollout=partial)
+    tether_train(straight_cfg)
+    out = tmp_path / "partial"
+    buffer = json.loads((find_latest(out / "checkpoints")[0] / "rollout_buffer.json").read_text())
+    assert len(buffer["groups"]) == 2 and all(len(g) == 4 for g in buffer["groups"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["rollout/groups_continued"] for r in rows][:2] == [0, 2]
+
+    config = write_config(tmp_path, tiny_model_dir, addition_data, "partial_chain", rollout=partial)
+    chain, ckpts = tmp_path / "partial_chain", tmp_path / "partial_chain" / "checkpoints"
+    for point in ("committed:1", "generate:2"):
+        assert tether_train(config, crash_at=point, load=ckpts) == -9
+    tether_train(config, load=ckpts)
+    assert trained(chain) == trained(out)
+    assert_same_weights(weights(chain), weights(out))

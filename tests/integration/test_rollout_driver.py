@@ -48,10 +48,10 @@ def groups(count: int):
                       prompt_ids=[5 + k % 10, 6, 7]) for j in range(N)]
 
 
-def run(engine, schedule, score, keep=keep_all, count=12, params=None, seed=3):
+def run(engine, schedule, score, keep=keep_all, count=12, params=None, seed=3, groups_source=None):
     driver = GroupDriver(EngineFleet([engine.url], timeout_s=60), timeout_s=60)
     params = params or SamplingParams(temperature=1.0, max_new_tokens=6)
-    return driver.run(groups(count), schedule, params, seed, score, keep, "test rollout")
+    return driver.run(groups_source or groups(count), schedule, params, seed, score, keep, "test rollout")
 
 
 async def reward_by_prompt(samples):
@@ -121,6 +121,28 @@ def test_groups_in_flight_at_the_cutoff_are_aborted(engine):
     m = result.metrics
     assert m["rollout/groups_aborted"] == len(result.unfinished)
     assert m["rollout/samples_aborted"] >= N * len(result.unfinished)
+
+    # Partial rollout: the next rollout continues the aborted groups first, under new weights, with
+    # what is left of max_new_tokens; each response records both spans and their versions.
+    carried = result.unfinished
+    before = {id(s): s.response_length for g in carried for s in g}
+    engine.core.engine.weight_version = 1  # as a weight push would set it
+    try:
+        more = run(engine, Schedule(need=len(carried), over_sampling_groups=len(carried), max_concurrent_groups=None,
+                                    waves=False), score_plain, params=params, groups_source=iter(carried))
+    finally:
+        engine.core.engine.weight_version = 0
+    for g in more.kept:
+        for s in g:
+            assert s.status == "truncated" and s.response_length == 50  # ignore_eos: continued to the limit
+            assert s.weight_versions[-1] == 1 and sum(s.span_lengths) == 50
+            assert s.span_lengths[0] == before[id(s)] or s.weight_versions == [1]
+            assert len(s.response_logprobs) == 50
+
+
+async def score_plain(samples):
+    for s in samples:
+        s.reward = 0.0
 
 
 # ------------------------------------------------------------------ a remote reward server

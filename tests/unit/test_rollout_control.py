@@ -159,3 +159,26 @@ def test_bad_functions_fail_before_anything_starts(tmp_path):
     assert "rollout.group_reward: group reward spec 'no_such_module:fn': module 'no_such_module' not found" in text
     assert f"rollout.dynamic_filter: dynamic filter spec '{user}:missing'" in text and "has no attribute" in text
     assert "algorithm.policy_loss:" in text and "loss.py' not found" in text
+
+
+def test_partial_buffer_state_round_trip_and_stale_spans():
+    from tether.rollout.buffer import PartialBuffer, mask_stale_spans
+
+    buffer = PartialBuffer()
+    g = group([None, None], prompt_index=9)
+    g[0].response_ids, g[0].response_logprobs, g[0].status = [4, 5, 6], [-0.5, -1.0, -2.0], "aborted"
+    g[0].weight_versions, g[0].span_lengths = [3], [3]
+    buffer.put([g])
+    restored = PartialBuffer()
+    restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
+    assert len(restored) == 1 and restored.groups[0][0] == g[0] and restored.groups[0][1] == g[1]
+    assert restored.take()[0][0].response_ids == [4, 5, 6] and len(restored) == 0
+
+    s = g[0]
+    s.response_ids += [7, 8]
+    s.weight_versions, s.span_lengths = [3, 4], [3, 2]
+    assert mask_stale_spans(s, 3) == 0 and s.loss_mask is None  # nothing older than version 3
+    assert mask_stale_spans(s, 4) == 3 and s.loss_mask == [0, 0, 0, 1, 1]
+    single = group([None])[0]
+    single.response_ids, single.weight_versions, single.span_lengths = [1, 2], [1], [2]
+    assert mask_stale_spans(single, 5) == 0 and single.loss_mask is None  # one span: on-policy for its rollout

@@ -56,6 +56,10 @@ class DriverResult:
     """Groups of the source used up: through the last kept one (all started ones when it ran out)."""
     exhausted: bool
     """The source ran out before ``need`` groups passed."""
+    started: int = 0
+    """Groups taken from the source."""
+    leftover: list[Group] = field(default_factory=list)
+    """Unfinished and surplus groups not dropped by the filter, in start order (partial rollout keeps them)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -220,4 +224,5 @@ class _Run:
         consumed = len(self.started) if cutoff is None or self.s.waves else cutoff + 1
         return DriverResult(kept=kept, unfinished=[i.samples for i in after if i.kept is None],
                             surplus=[i.samples for i in after if i.kept is not None], consumed=consumed,
-                            exhausted=cutoff is None, metrics=metrics)
+                            exhausted=cutoff is None, started=len(self.started), metrics=metrics,
+                            leftover=[i.samples for i in after if i.kept is not False])

@@ -53,8 +53,9 @@ def fill_response(sample: Sample, out: dict) -> None:
     sample.response_text = sample.response_text + out["text"]
     sample.finish_reason = meta["finish_reason"]["type"]
     sample.status = STATUS_OF_FINISH.get(sample.finish_reason, "failed")
-    sample.weight_versions = sample.weight_versions + [int(meta["weight_version"])]
-    sample.span_lengths = sample.span_lengths + [len(new_ids)]
+    if new_ids or sample.finish_reason != "abort":  # an abort before the first token adds no span
+        sample.weight_versions = sample.weight_versions + [int(meta["weight_version"])]
+        sample.span_lengths = sample.span_lengths + [len(new_ids)]
 
 
 class EngineFleet:
@@ -73,8 +74,12 @@ class EngineFleet:
         """Generate (or continue) the response of every sample in one request; fills them in place.
 
         A sample that already has response tokens continues from them (its prompt is prompt + response
-        so far) with the tokens left of ``params.max_new_tokens``.
+        so far) with the tokens left of ``params.max_new_tokens``; a finished one is left as it is.
         """
+        todo = [k for k, s in enumerate(samples) if s.status in ("pending", "aborted")]
+        if not todo:  # a group carried over complete (partial rollout): nothing to generate
+            return
+        samples, seeds, rids = [samples[k] for k in todo], [seeds[k] for k in todo], [rids[k] for k in todo]
         start = time.perf_counter()
         payload = self.payload(samples, params, seeds, rids)
         try:

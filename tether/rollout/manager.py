@@ -7,6 +7,7 @@ on to the trainer) together with a small dict of metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -21,6 +22,7 @@ from tether.engine.sampling import SamplingParams
 from tether.rewards.loader import RewardLoadError
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
+from tether.rollout.buffer import BUFFER_STATE, PartialBuffer, mask_stale_spans
 from tether.rollout.data_source import DataSource, load_prompt_rows
 from tether.rollout.driver import DriverResult, GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
@@ -155,6 +157,7 @@ class RolloutManager:
                           for i, e in enumerate(self.cfg.eval.datasets)]
         self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
         self.health = RolloutHealth(r.n_samples_per_prompt)
+        self.buffer = PartialBuffer()
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
@@ -183,11 +186,20 @@ class RolloutManager:
         r = self.cfg.rollout
         data = self._require_data()
         epoch = data.epoch
-        result = self.driver.run(_tagged(data.peek_groups(), rollout_id), self.schedule, self.params,
-                                 self._seed(rollout_id, 0), partial(score_shaped, self.scorer, self.cfg), self.keep, f"rollout {rollout_id}")
-        data.advance(result.consumed)
+        carried = self.buffer.take()  # partial rollout: last rollout's unfinished groups go first
+        result = self.driver.run(_tagged(itertools.chain(carried, data.peek_groups()), rollout_id), self.schedule,
+                                 self.params, self._seed(rollout_id, 0), partial(score_shaped, self.scorer, self.cfg),
+                                 self.keep, f"rollout {rollout_id}")
+        continued = min(len(carried), result.started)
+        if r.partial_rollout:  # every fresh group started is used up: kept, dropped, or carried on
+            data.advance(result.started - continued)
+            self.buffer.put(result.leftover + carried[continued:])
+        else:
+            data.advance(result.consumed)
         metrics, warnings = result.metrics, self._check_exhausted(result, rollout_id)
         samples = [s for k, group in enumerate(result.kept) for s in _renumbered(group, k)]
+        if r.partial_rollout:
+            metrics.update(self._partial_metrics(samples, continued))
         self.scorer.post_process(samples)
         if r.overlong_buffer_len is not None:
             metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
@@ -200,6 +212,14 @@ class RolloutManager:
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
         return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
+
+    def _partial_metrics(self, samples: list[Sample], continued: int) -> dict[str, float]:
+        metrics = {"rollout/groups_continued": float(continued), "rollout/buffer_groups": float(len(self.buffer)),
+                   "rollout/multi_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples))}
+        if self.cfg.rollout.mask_offpolicy_partial:
+            current = max(s.weight_versions[-1] for s in samples)
+            metrics["rollout/offpolicy_tokens_masked"] = float(sum(mask_stale_spans(s, current) for s in samples))
+        return metrics
 
     def _check_exhausted(self, result: DriverResult, rollout_id: int) -> list[str]:
         r = self.cfg.rollout
@@ -267,10 +287,15 @@ class RolloutManager:
     # ------------------------------------------------------------ state and memory
     def save_state(self, ckpt_dir: str) -> None:
         (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self._require_data().state_dict()))
+        if self.cfg.rollout.partial_rollout:
+            (Path(ckpt_dir) / BUFFER_STATE).write_text(json.dumps(self.buffer.state_dict()))
 
     def load_state(self, ckpt_dir: str) -> dict:
         state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
         self._require_data().load_state_dict(state)
+        buffer = Path(ckpt_dir) / BUFFER_STATE
+        if self.cfg.rollout.partial_rollout and buffer.is_file():
+            self.buffer.load_state_dict(json.loads(buffer.read_text()))
         return state
 
     def release_memory(self, tags: list[str]) -> None:
