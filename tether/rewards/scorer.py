@@ -17,7 +17,8 @@ import inspect
 from typing import Any, Callable
 
 from tether.importing import load_function
-from tether.rewards.loader import RewardError, RewardLoadError, load_reward_fn, reward_raised, set_reward
+from tether.rewards.loader import (RewardError, RewardLoadError, compute_rewards, load_reward_fn, reward_raised,
+                                   set_reward)
 from tether.rewards.remote import RemoteReward, is_remote
 from tether.rewards.signature import is_async, resolve
 from tether.sample import Sample
@@ -46,8 +47,9 @@ class Scorer:
             values = await self.remote.score(samples)
         elif is_async(self.fn):
             values = await asyncio.gather(*(self._one_async(s) for s in samples))
-        else:
-            values = await asyncio.to_thread(lambda: [self._one(s) for s in samples])
+        else:  # validated and stored as it goes
+            await asyncio.to_thread(compute_rewards, self.fn, samples, self.spec, self.key)
+            return
         for sample, value in zip(samples, values):
             set_reward(sample, value, self.spec, self.key)
 
@@ -58,12 +60,6 @@ class Scorer:
                 await self.score_group(samples[k:k + group_size])
         asyncio.run(run())
         return [float(s.reward) for s in samples]
-
-    def _one(self, sample: Sample) -> Any:
-        try:
-            return resolve(self.fn(sample))
-        except Exception as exc:
-            raise reward_raised(self.spec, sample, exc) from exc
 
     async def _one_async(self, sample: Sample) -> Any:
         try:
