@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import USER_REWARD, tiny_config
+from tests.integration.reward_server import RewardServer
 from tether.checkpoint import find_latest
 from tether.config import config_from_dict
 from tether.train import train
@@ -170,3 +171,58 @@ def test_dynamic_sampling_keeps_exactly_prompts_per_rollout_groups(ray_session, 
         assert row["rollout/groups_kept"] == 4
         assert row["rollout/groups_started"] >= 4 + row["rollout/groups_dropped"]
     assert sum(row.get("rollout/groups_dropped/all_correct", 0) for row in rows) >= 1
+
+
+def test_partial_rollout_continues_aborted_groups_under_new_weights(ray_session, tiny_model_dir, addition_data,
+                                                                    tmp_path):
+    """Streaming, 6 groups started for 2 kept: groups still generating when the 2 are known are aborted
+    on the engine, wait in the buffer, and a later rollout continues them under newer weights. Their
+    trained responses hold spans from two or more weight versions; mask_offpolicy_partial leaves the
+    older spans out of the loss."""
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", eval={"interval": None, "datasets": []},
+                      checkpoint={"save_interval": None},
+                      rollout={"num_rollout": 5, "prompts_per_rollout": 2, "over_sampling_groups": 6,
+                               "max_response_len": 40, "partial_rollout": True, "mask_offpolicy_partial": True})
+    train(config_from_dict(raw))
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert sum(r["rollout/groups_aborted"] for r in rows) >= 1
+    assert [r["rollout/groups_continued"] for r in rows][1:] == [4] * 4  # the buffer's 4 groups go first
+    multi = 0
+    for k, row in enumerate(rows):
+        dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
+        masked = 0
+        for d in dumped:
+            versions, spans = d["weight_versions"], d["span_lengths"]
+            assert len(versions) == len(spans) and sum(spans) == d["response_length"], d
+            assert versions == sorted(set(versions)) and versions[-1] <= k, d  # each call under newer weights
+            assert d["status"] in ("completed", "truncated") and d["rollout_id"] == k
+            expected = [int(v == versions[-1]) for v, n in zip(versions, spans) for _ in range(n)]
+            assert (d["loss_mask"] or [1] * d["response_length"]) == expected, d
+            masked += expected.count(0)
+            multi += len(versions) > 1
+        assert row["rollout/offpolicy_tokens_masked"] == masked
+        assert row["rollout/multi_version_samples"] == sum(len(d["weight_versions"]) > 1 for d in dumped)
+        assert row["train/loss"] == row["train/loss"] and row["train/grad_norm"] > 0
+    assert multi >= 1, "no trained response was continued across a weight update"
+
+
+def test_a_remote_reward_model_scores_the_rollouts(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """rollout.reward as a URL: the rollout manager's actor posts each group to a reward server, retrying
+    the 503 it gets first; the reward_key entry is trained on and the whole dict is kept and logged."""
+    server = RewardServer()
+    server.fail_next = 1
+    try:
+        raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", eval={"interval": None, "datasets": []},
+                          checkpoint={"save_interval": None},
+                          rollout={"num_rollout": 2, "reward": f"{server.url}/score", "reward_key": "score"})
+        train(config_from_dict(raw))
+    finally:
+        server.close()
+    assert len(server.requests) == 1 + 2 * 4  # one per group (4 per rollout) and the retried one
+    assert all(len(body["samples"]) == 4 for body in server.requests)
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")[1:]
+    for k, row in enumerate(rows):
+        dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
+        assert all(d["reward"] == float(bool(d["response_text"])) for d in dumped)
+        assert all(d["reward_info"] == {"score": d["reward"], "length": d["response_length"]} for d in dumped)
+        assert row["rollout/reward/length_mean"] == row["rollout/response_len_mean"]

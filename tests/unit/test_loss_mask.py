@@ -13,6 +13,7 @@ from tether.batch import TrainBatch, collate, collate_packed
 from tether.rollout.manager import to_train_batch
 from tether.sample import Sample
 from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.trainer.critic import Critic, load_value_model
 from tether.trainer.model import load_model
 from tether.trainer.step import StepSettings, compute_advantages, train_on_batch
 
@@ -78,21 +79,67 @@ def test_masked_tokens_change_nothing_that_is_trained(model_dir, agg, packing, e
     assert float((step(model_dir, unmasked, s)[0] - w_masked).abs().max()) > 1e-4
 
 
-def test_token_level_returns_skip_masked_tokens():
+def critic_for(model_dir) -> Critic:
+    """The trainer's critic without FSDP, its head random so that every value counts (a zero head
+    would hide a masked token's value leaking into GAE)."""
+    critic = Critic.__new__(Critic)
+    critic.model = load_value_model(str(model_dir), "float32")
+    torch.nn.init.normal_(critic.model.score.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=0.1)
+    critic.scheduler = torch.optim.lr_scheduler.LambdaLR(critic.optimizer, lambda _: 1.0)
+    critic.value_clip, critic.grad_clip = 0.2, 0.0
+    return critic
+
+
+@pytest.mark.parametrize("packing", [None, 30])
+def test_gae_with_a_critic_ignores_masked_tokens(model_dir, packing):
+    # PPO with GAE: the critic's values on masked tokens feed no advantage and no return, and the
+    # value loss skips them, so policy and critic reach the weights they reach without those tokens.
+    s = settings(advantage_estimator="gae", advantage_params=AdvantageParams(gamma=0.9, lam=0.8),
+                 max_tokens_per_micro_batch=packing)
+
+    def run(batch):
+        torch.manual_seed(0)
+        model, critic = load_model(str(model_dir), "float32"), critic_for(model_dir)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        metrics = train_on_batch(model, optimizer, scheduler, batch, s, 0, 1, critic=critic)
+        vec = torch.nn.utils.parameters_to_vector
+        return vec(model.parameters()).detach(), vec(critic.model.parameters()).detach(), metrics
+
+    plain, masked = batches()
+    (p_plain, c_plain, m_plain), (p_masked, c_masked, m_masked) = run(plain), run(masked)
+    assert float((p_plain - p_masked).abs().max()) < 1e-5 and float((c_plain - c_masked).abs().max()) < 1e-5
+    for key in ("train/loss", "train/critic/value_loss", "train/adv_value_mean", "train/adv_return_mean"):
+        assert m_masked[key] == pytest.approx(m_plain[key], abs=1e-5), key
+    assert m_plain["train/adv_value_mean"] != 0.0  # the random head gives real values
+    unmasked = masked.select(list(range(8)))
+    unmasked.loss_masks = None
+    p_all, c_all, _ = run(unmasked)
+    assert float((c_all - c_masked).abs().max()) > 1e-4 and float((p_all - p_masked).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "gae"])
+def test_token_level_returns_skip_masked_tokens(estimator):
     # A tool's output in the middle of a response: returns flow from one policy token to the next
     # and the outcome reward sits on the last policy token, as if the tool's tokens were not there.
-    s = settings(advantage_estimator="reinforce_pp", advantage_params=AdvantageParams(gamma=0.9))
+    # GAE bootstraps from the next policy token's value, never from a masked token's.
+    s = settings(advantage_estimator=estimator, advantage_params=AdvantageParams(gamma=0.9, lam=0.7))
     masks = [[1, 1, 0, 0, 1], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     masked = TrainBatch(tokens=[[1] * 7] * 4, prompt_lengths=[2] * 4, response_lengths=[5] * 4, group_size=2,
                         rewards=[1.0, 0.0, 1.0, 0.5], loss_masks=masks)
     kept = [sum(m) for m in masks]
     compact = TrainBatch(tokens=[[1] * (2 + k) for k in kept], prompt_lengths=[2] * 4, response_lengths=kept,
                          group_size=2, rewards=[1.0, 0.0, 1.0, 0.5])
-    full, _, _ = compute_advantages(masked, s, {}, None)
-    short, _, _ = compute_advantages(compact, s, {}, None)
-    for i, m in enumerate(masks):
-        keep = torch.tensor(m, dtype=torch.bool)
-        assert torch.equal(full[i][keep], short[i]) and not full[i][~keep].any(), i
+    keeps = [torch.tensor(m, dtype=torch.bool) for m in masks]
+    values = {i: torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(4)} if estimator == "gae" else None
+    full, full_returns, _ = compute_advantages(masked, s, {}, None, values)
+    short, short_returns, _ = compute_advantages(compact, s, {}, None,
+                                                 values and {i: v[keeps[i]] for i, v in values.items()})
+    for i, keep in enumerate(keeps):
+        assert torch.allclose(full[i][keep], short[i]) and not full[i][~keep].any(), i
+        if values is not None:
+            assert torch.allclose(full_returns[i][keep], short_returns[i]) and not full_returns[i][~keep].any(), i
     assert short[0][-1] != 0  # the reward reached the last policy token
 
 

@@ -176,9 +176,13 @@ def test_partial_buffer_state_round_trip_and_stale_spans():
 
     s = g[0]
     s.response_ids += [7, 8]
-    s.weight_versions, s.span_lengths = [3, 4], [3, 2]
-    assert mask_stale_spans(s, 3) == 0 and s.loss_mask is None  # nothing older than version 3
-    assert mask_stale_spans(s, 4) == 3 and s.loss_mask == [0, 0, 0, 1, 1]
+    s.weight_versions, s.span_lengths = [3, 3], [3, 2]
+    assert mask_stale_spans(s) == 0 and s.loss_mask is None  # both spans from the same weights
+    s.weight_versions = [3, 4]
+    assert mask_stale_spans(s) == 3 and s.loss_mask == [0, 0, 0, 1, 1]
+    s.response_ids += [9]
+    s.weight_versions, s.span_lengths, s.loss_mask = [2, 4, 5], [3, 2, 1], [1, 1, 0, 1, 1, 1]
+    assert mask_stale_spans(s) == 4 and s.loss_mask == [0, 0, 0, 0, 0, 1]  # a 0 already there counts once
     single = group([None])[0]
     single.response_ids, single.weight_versions, single.span_lengths = [1, 2], [1], [2]
-    assert mask_stale_spans(single, 5) == 0 and single.loss_mask is None  # one span: on-policy for its rollout
+    assert mask_stale_spans(single) == 0 and single.loss_mask is None  # one call: left alone

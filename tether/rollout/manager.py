@@ -193,7 +193,11 @@ class RolloutManager:
         continued = min(len(carried), result.started)
         if r.partial_rollout:  # every fresh group started is used up: kept, dropped, or carried on
             data.advance(result.started - continued)
-            self.buffer.put(result.leftover + carried[continued:])
+            # Oldest first, so no group waits behind newer ones: carried groups (those started again,
+            # then those not reached), then this rollout's fresh ones.
+            was_carried = {id(g) for g in carried}
+            self.buffer.put([g for g in result.leftover if id(g) in was_carried] + carried[continued:]
+                            + [g for g in result.leftover if id(g) not in was_carried])
         else:
             data.advance(result.consumed)
         metrics, warnings = result.metrics, self._check_exhausted(result, rollout_id)
@@ -217,8 +221,7 @@ class RolloutManager:
         metrics = {"rollout/groups_continued": float(continued), "rollout/buffer_groups": float(len(self.buffer)),
                    "rollout/multi_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples))}
         if self.cfg.rollout.mask_offpolicy_partial:
-            current = max(s.weight_versions[-1] for s in samples)
-            metrics["rollout/offpolicy_tokens_masked"] = float(sum(mask_stale_spans(s, current) for s in samples))
+            metrics["rollout/offpolicy_tokens_masked"] = float(sum(mask_stale_spans(s) for s in samples))
         return metrics
 
     def _check_exhausted(self, result: DriverResult, rollout_id: int) -> list[str]:
