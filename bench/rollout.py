@@ -10,11 +10,18 @@ Schedules: "batch split" sends all groups at once as one request per engine (the
 deterministic run uses); "streaming" sends each group as its own request, at most
 max_concurrent_groups in flight, routed to the engine with the least outstanding work as groups finish.
 Prints rollout seconds (median of 3) and generated tokens/s of each, and the ratio to the batch split.
+
+A second table runs 4 rollouts in a row on a stream of long-tail prompts (10% answer 8x longer), as a
+run would: the batch split against streaming that starts 4 extra groups, keeps the first 32 to
+finish (`rollout.keep_order: finish`) and carries the rest into the next rollout
+(`rollout.partial_rollout`). Its figure is trained tokens per second over the 4 rollouts: work left
+unfinished in the buffer at the end counts as time spent, not as tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -44,7 +51,7 @@ class LengthFleet(EngineFleet):
     def payload(self, samples, params, seeds, rids):
         payload = super().payload(samples, params, seeds, rids)
         for sp, s in zip(payload["sampling_params"], samples):
-            sp["max_new_tokens"] = s.metadata["tokens"]
+            sp["max_new_tokens"] = s.metadata["tokens"] - s.response_length  # a continued one has some
         return payload
 
 
@@ -86,7 +93,7 @@ def start_engines(path: Path, count: int) -> tuple[list[subprocess.Popen], list[
     return procs, urls
 
 
-def groups(lengths: list[int], n: int, seed: int = 0):
+def groups(lengths, n: int, seed: int = 0):
     rng = random.Random(seed)
     for k, tokens in enumerate(lengths):
         prompt = [rng.randrange(3, 90) for _ in range(16)]
@@ -108,6 +115,27 @@ def measure(urls, lengths, n, schedule) -> tuple[float, float]:
     tokens = sum(s.response_length for g in result.kept for s in g)
     assert tokens == n * sum(lengths)
     return elapsed, tokens / elapsed
+
+
+def long_tail_stream(base: int, seed: int = 2):
+    rng = random.Random(seed)
+    while True:
+        yield 8 * base if rng.random() < 0.1 else base
+
+
+def measure_rollouts(urls, base: int, prompts: int, n: int, schedule: Schedule, rollouts: int) -> tuple[float, float]:
+    """Seconds per rollout and trained tokens/s over ``rollouts`` rollouts, carrying left-over groups."""
+    driver = GroupDriver(LengthFleet(urls, timeout_s=600), timeout_s=600)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8 * base, ignore_eos=True)
+    fresh, carried, trained = groups(long_tail_stream(base), n), [], 0
+    start = time.perf_counter()
+    for k in range(rollouts):
+        result = driver.run(itertools.chain(carried, fresh), schedule, params, k, score, keep_all, f"bench rollout {k}")
+        assert len(result.kept) == prompts
+        carried = carried[result.started:] + result.leftover  # not reached or cut short: first next time
+        trained += sum(s.response_length for g in result.kept for s in g)
+    elapsed = time.perf_counter() - start
+    return elapsed / rollouts, trained / elapsed
 
 
 def main() -> None:
@@ -144,6 +172,20 @@ def main() -> None:
                 tps = statistics.median(r[1] for r in runs)
                 base_s = base_s or secs
                 print(f"{shape:<10} {name:<24} {secs:>10.2f} {tps:>9.0f} {base_s / secs:>14.2f}x")
+        rollouts, extra = 4, max(1, prompts // 8)
+        runs = {"batch split": Schedule(prompts, prompts, None, waves=True),
+                "streaming, start order, partial rollout": Schedule(prompts, prompts + extra, None, waves=False),
+                f"streaming, first {prompts} of {prompts + extra} to finish, partial rollout":
+                    Schedule(prompts, prompts + extra, None, waves=False, keep_first_finished=True)}
+        print(f"\n{rollouts} rollouts in a row, long-tail stream (10% of prompts {8 * base} tokens, others {base})")
+        print(f"{'schedule':<58} {'s/rollout':>10} {'trained tok/s':>14} {'vs batch split':>15}")
+        base_tps = None
+        for name, schedule in runs.items():
+            measured = [measure_rollouts(urls, base, prompts, n, schedule, rollouts) for _ in range(repeats)]
+            secs = statistics.median(r[0] for r in measured)
+            tps = statistics.median(r[1] for r in measured)
+            base_tps = base_tps or tps
+            print(f"{name:<58} {secs:>10.2f} {tps:>14.0f} {tps / base_tps:>14.2f}x")
     finally:
         for proc in procs:
             proc.terminate()

@@ -142,6 +142,12 @@ class RolloutConfig(Section):
     partial_rollout: bool = False
     """Groups still generating when a rollout has its groups (with over-sampling) are aborted but kept,
     with what they generated, and continued first by the next rollout (tether/rollout/buffer.py)."""
+    keep_order: Literal["start", "finish"] = "start"
+    """Which prompts_per_rollout groups a rollout keeps. start: the first to pass the filter in the
+    order they started (the kept set and the data position depend only on each group's own samples).
+    finish: the first to finish and pass (slime's way): with over_sampling_groups above
+    prompts_per_rollout a long tail is cut short and continued by the next rollout. Needs
+    partial_rollout (so no aborted group is lost) and deterministic: false."""
     mask_offpolicy_partial: bool = False
     """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
@@ -173,6 +179,9 @@ class RolloutConfig(Section):
         if self.over_sampling_groups is not None and self.over_sampling_groups < self.prompts_per_rollout:
             raise ValueError(f"rollout.over_sampling_groups ({self.over_sampling_groups}) must be at least "
                              f"rollout.prompts_per_rollout ({self.prompts_per_rollout})")
+        if self.keep_order == "finish" and not self.partial_rollout:
+            raise ValueError("rollout.keep_order: finish needs rollout.partial_rollout: true (the groups cut "
+                             "short between kept ones are continued by the next rollout, not lost)")
         return self
 
     @property
@@ -418,6 +427,9 @@ class TetherConfig(Section):
                 f"train.global_batch_size={gbs} must be divisible by cluster.num_train_actors="
                 f"{self.cluster.num_train_actors}"
             )
+        if self.deterministic and self.rollout.keep_order == "finish":
+            raise ValueError("rollout.keep_order: finish depends on which group finishes first; it cannot be "
+                             "combined with deterministic: true (use keep_order: start)")
         if self.cluster.offload and not self.cluster.colocate:
             raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
         if self.train.min_lr > self.train.lr:

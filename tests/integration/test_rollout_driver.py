@@ -139,6 +139,40 @@ def test_groups_in_flight_at_the_cutoff_are_aborted(engine):
             assert len(s.response_logprobs) == 50
 
 
+class LengthFleet(EngineFleet):
+    """Each sample generates exactly metadata["tokens"] tokens: a long tail without a trained model."""
+
+    def payload(self, samples, params, seeds, rids):
+        payload = super().payload(samples, params, seeds, rids)
+        for sp, s in zip(payload["sampling_params"], samples):
+            sp["max_new_tokens"] = s.metadata["tokens"] - s.response_length
+        return payload
+
+
+@pytest.mark.parametrize("keep_first_finished", [False, True])
+def test_keeping_the_first_to_finish_cuts_the_long_tail(engine, keep_first_finished):
+    """Group 0 answers 60 tokens, the others 3. In start order group 0 is kept and the rollout waits for
+    it; kept as they finish, the 4 first short groups are kept and group 0 is cut short, to be continued."""
+    source = [[Sample(prompt_index=k, sample_index=j, prompt="", label=None, metadata={"tokens": 60 if k == 0 else 3},
+                      prompt_ids=[5 + k, 6, 7]) for j in range(N)] for k in range(6)]
+    driver = GroupDriver(LengthFleet([engine.url], timeout_s=60), timeout_s=60)
+    schedule = Schedule(need=4, over_sampling_groups=6, max_concurrent_groups=None, waves=False,
+                        keep_first_finished=keep_first_finished)
+    result = driver.run(iter(source), schedule, SamplingParams(temperature=1.0, max_new_tokens=60, ignore_eos=True),
+                        0, score_plain, keep_all, "test rollout")
+    kept = [g[0].prompt_index for g in result.kept]
+    if not keep_first_finished:
+        assert kept == [0, 1, 2, 3] and result.consumed == 4
+        assert all(s.response_length == 60 for s in result.kept[0])
+        return
+    assert 0 not in kept and len(kept) == 4 and kept == sorted(kept) and result.consumed == 6
+    assert result.unfinished[0] is source[0] and all(0 < s.response_length < 60 and s.status == "aborted"
+                                                     for s in source[0])
+    assert [g[0].prompt_index for g in result.leftover] == sorted({0, 1, 2, 3, 4, 5} - set(kept))
+    m = result.metrics
+    assert m["rollout/groups_kept"] == 4 and m["rollout/groups_aborted"] + m["rollout/groups_surplus"] == 2
+
+
 async def score_plain(samples):
     for s in samples:
         s.reward = 0.0

@@ -173,16 +173,19 @@ def test_dynamic_sampling_keeps_exactly_prompts_per_rollout_groups(ray_session, 
     assert sum(row.get("rollout/groups_dropped/all_correct", 0) for row in rows) >= 1
 
 
-def test_partial_rollout_continues_aborted_groups_under_new_weights(ray_session, tiny_model_dir, addition_data,
-                                                                    tmp_path):
+@pytest.mark.parametrize("keep_order", ["start", "finish"])
+def test_partial_rollout_continues_aborted_groups_under_new_weights(keep_order, ray_session, tiny_model_dir,
+                                                                    addition_data, tmp_path):
     """Streaming, 6 groups started for 2 kept: groups still generating when the 2 are known are aborted
     on the engine, wait in the buffer, and a later rollout continues them under newer weights. Their
     trained responses hold spans from two or more weight versions; mask_offpolicy_partial leaves the
-    older spans out of the loss."""
+    older spans out of the loss. Kept in start order or as they finish, every group started is trained
+    on, dropped or carried over."""
     raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", eval={"interval": None, "datasets": []},
                       checkpoint={"save_interval": None},
                       rollout={"num_rollout": 5, "prompts_per_rollout": 2, "over_sampling_groups": 6,
-                               "max_response_len": 40, "partial_rollout": True, "mask_offpolicy_partial": True})
+                               "max_response_len": 40, "partial_rollout": True, "mask_offpolicy_partial": True,
+                               "keep_order": keep_order})
     train(config_from_dict(raw))
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")[1:]
     assert sum(r["rollout/groups_aborted"] for r in rows) >= 1
@@ -204,6 +207,9 @@ def test_partial_rollout_continues_aborted_groups_under_new_weights(ray_session,
         assert row["rollout/multi_version_samples"] == sum(len(d["weight_versions"]) > 1 for d in dumped)
         assert row["train/loss"] == row["train/loss"] and row["train/grad_norm"] > 0
     assert multi >= 1, "no trained response was continued across a weight update"
+    trained = {d["prompt_index"] for k in range(5)
+               for d in read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")}
+    assert len(trained) == 5 * 2  # 2 groups per rollout, no prompt trained twice
 
 
 def test_a_remote_reward_model_scores_the_rollouts(ray_session, tiny_model_dir, addition_data, tmp_path):

@@ -146,6 +146,15 @@ def test_offload_needs_colocate():
     assert config_from_dict(_raw(cluster={"offload": True, "colocate": True})).cluster.offload is True
 
 
+def test_keep_order_finish_needs_partial_rollout_and_streaming():
+    msg = _error(_raw(rollout={"keep_order": "finish"}))
+    assert "rollout.keep_order: finish" in msg and "rollout.partial_rollout" in msg
+    msg = _error({**_raw(rollout={"keep_order": "finish", "partial_rollout": True}), "deterministic": True})
+    assert "rollout.keep_order: finish" in msg and "deterministic: true" in msg
+    cfg = config_from_dict(_raw(rollout={"keep_order": "finish", "partial_rollout": True}))
+    assert cfg.rollout.keep_order == "finish"
+
+
 def test_duplicate_eval_dataset_names():
     msg = _error(_raw(eval={"datasets": [{"name": "a", "path": "x.jsonl"}, {"name": "a", "path": "y.jsonl"}]}))
     assert "eval.datasets" in msg and "unique" in msg

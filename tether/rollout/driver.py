@@ -3,7 +3,9 @@
 A group is the n samples of one prompt. The driver takes groups from a source in order, gives each a
 start index (0, 1, 2, ...), and keeps the first ``need`` groups, in start order, that the filter
 passes. Which groups are kept therefore depends only on each group's own outcome (its samples have
-their own seeds), never on which finished first.
+their own seeds), never on which finished first. ``keep_first_finished`` keeps the first ``need`` to
+finish instead (slime's way): the groups that would make a rollout wait (a long tail) are cut short
+and, with partial rollout, continued by the next rollout.
 
 Two schedules:
 - streaming (the default): every group is its own /generate request, at most
@@ -71,6 +73,8 @@ class Schedule:
     """Groups started at first (and started-and-not-dropped at most, streaming); a wave's size (waves)."""
     max_concurrent_groups: int | None
     waves: bool
+    keep_first_finished: bool = False
+    """Keep the first ``need`` groups to finish and pass (streaming only), not the first in start order."""
 
 
 class GroupDriver:
@@ -101,6 +105,7 @@ class _Run:
         self.params, self.seed, self.score, self.keep, self.what = params, seed, score, keep, what
         self.timeout_s = fleet.timeout_s
         self.started: list[Started] = []
+        self.decided: list[Started] = []  # in the order they were kept or dropped
         self.cut = False  # set once the kept groups are known: later aborts are ours
         self.exhausted = False
         self.tag = uuid.uuid4().hex[:8]
@@ -129,11 +134,13 @@ class _Run:
         if any(s.status == "aborted" for s in item.samples):
             if not self.cut:  # the engine gave up on it (its request timeout): a dropped group
                 item.kept, item.reason = False, "aborted_by_engine"
+                self.decided.append(item)
             return  # cut short by our abort: neither kept nor dropped, it is unfinished
         start = time.perf_counter()
         await asyncio.wait_for(self.score(item.samples), self.timeout_s)
         self.reward_s += time.perf_counter() - start
         item.kept, item.reason = self.keep(item.samples)
+        self.decided.append(item)
 
     async def _group(self, item: Started) -> None:
         g = item.samples
@@ -141,15 +148,19 @@ class _Run:
                                   f"{self.what}, group {item.start}")
         await self._judge(item)
 
-    def _cutoff(self) -> int | None:
-        """Start index of the ``need``-th kept group, once every group before it is decided."""
-        kept = 0
-        for item in self.started:
+    def _cutoff(self) -> list[Started] | None:
+        """The ``need`` kept groups, in start order, once they are known."""
+        if self.s.keep_first_finished:
+            kept = [item for item in self.decided if item.kept][: self.s.need]
+            return sorted(kept, key=lambda item: item.start) if len(kept) == self.s.need else None
+        kept = []
+        for item in self.started:  # the first ``need`` kept, once every group before the last is decided
             if item.kept is None:
                 return None
-            kept += item.kept
-            if kept == self.s.need:
-                return item.start
+            if item.kept:
+                kept.append(item)
+            if len(kept) == self.s.need:
+                return kept
         return None
 
     def _live(self) -> int:
@@ -210,19 +221,28 @@ class _Run:
         except Exception:  # noqa: BLE001 - the original error is the one to report
             pass
 
-    def _result(self, cutoff: int | None) -> DriverResult:
-        last = cutoff if cutoff is not None else len(self.started) - 1
-        kept = [i.samples for i in self.started[:last + 1] if i.kept]
-        after = self.started[last + 1:]
-        reasons = Counter(i.reason or "filtered" for i in self.started[:last + 1] if i.kept is False)
-        metrics = {"rollout/groups_started": float(len(self.started)), "rollout/groups_kept": float(len(kept)),
+    def _result(self, chosen: list[Started] | None) -> DriverResult:
+        exhausted = chosen is None
+        if exhausted:
+            chosen = [i for i in self.started if i.kept]
+        chosen_ids = {i.start for i in chosen}
+        if self.s.keep_first_finished:  # every started group is used up: kept, dropped or left over
+            judged = [i for i in self.started if i.start in chosen_ids or i.kept is False]
+            consumed = len(self.started)
+        else:  # start order: up to the last kept group; what started after it is left over
+            last = chosen[-1].start if chosen and not exhausted else len(self.started) - 1
+            judged = self.started[:last + 1]
+            consumed = len(self.started) if exhausted or self.s.waves else last + 1
+        judged_ids = {i.start for i in judged}
+        after = [i for i in self.started if i.start not in judged_ids]
+        reasons = Counter(i.reason or "filtered" for i in judged if i.kept is False)
+        metrics = {"rollout/groups_started": float(len(self.started)), "rollout/groups_kept": float(len(chosen)),
                    "rollout/groups_dropped": float(sum(reasons.values())),
                    "rollout/groups_aborted": float(sum(i.kept is None for i in after)),
                    "rollout/groups_surplus": float(sum(i.kept is not None for i in after)),
                    "rollout/samples_aborted": float(self.aborted_samples),
                    **{f"rollout/groups_dropped/{r}": float(c) for r, c in reasons.items()}}
-        consumed = len(self.started) if cutoff is None or self.s.waves else cutoff + 1
-        return DriverResult(kept=kept, unfinished=[i.samples for i in after if i.kept is None],
+        return DriverResult(kept=[i.samples for i in chosen], unfinished=[i.samples for i in after if i.kept is None],
                             surplus=[i.samples for i in after if i.kept is not None], consumed=consumed,
-                            exhausted=cutoff is None, started=len(self.started), metrics=metrics,
+                            exhausted=exhausted, started=len(self.started), metrics=metrics,
                             leftover=[i.samples for i in after if i.kept is not False])

@@ -151,7 +151,8 @@ class RolloutManager:
         self.fleet = EngineFleet(engine_urls, self.cfg.cluster.call_timeout_s)
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s)
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
-                                 max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic)
+                                 max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic,
+                                 keep_first_finished=r.keep_order == "finish")
         self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0],
                                   make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
                           for i, e in enumerate(self.cfg.eval.datasets)]
