@@ -134,6 +134,11 @@ class RolloutConfig(Section):
     """Keep only groups this filter passes (DAPO's dynamic sampling: `nonzero_reward_std`), or a
     module:function / file.py:function of one group returning a bool or (bool, reason). More groups are
     started until prompts_per_rollout pass. None: every group is kept."""
+    custom_generate_fn: str | None = None
+    """Your own generation of each sample (multi-turn, tools, agents): a module:function or
+    file.py:function ``async def generate(ctx, sample, sampling_params[, evaluation]) -> Sample |
+    list[Sample]`` (slime's custom generate function; tether/rollout/generate_fn.py). A data row's
+    metadata "generate_fn" overrides it for that row. None: one /generate call per sample."""
     over_sampling_groups: int | None = Field(None, ge=1)
     """Groups started at the beginning of a rollout, at least prompts_per_rollout (None: exactly that);
     as groups are dropped, more start, up to this many not dropped at a time."""
@@ -502,7 +507,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def _resolve_spec(spec: Any, base: Path) -> Any:
+def resolve_spec(spec: Any, base: Path) -> Any:
     """A relative ``path/file.py:function`` spec made absolute against ``base``; anything else as is."""
     if not isinstance(spec, str) or ":" not in spec or spec.strip().startswith(("http://", "https://")):
         return spec
@@ -517,14 +522,14 @@ def resolve_function_specs(raw: dict, base: Path) -> dict:
     """Resolve the file specs of user functions (rewards, policy loss) in a raw config against ``base``:
     the config file's folder for values written in it, the working directory for overrides."""
     for section, key in (("rollout", "reward"), ("rollout", "group_reward"), ("rollout", "reward_post_process"),
-                         ("rollout", "dynamic_filter"), ("algorithm", "policy_loss")):
+                         ("rollout", "dynamic_filter"), ("rollout", "custom_generate_fn"), ("algorithm", "policy_loss")):
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
-            node[key] = _resolve_spec(node[key], base)
+            node[key] = resolve_spec(node[key], base)
     datasets = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
     for dataset in datasets if isinstance(datasets, list) else []:
         if isinstance(dataset, dict) and "reward" in dataset:
-            dataset["reward"] = _resolve_spec(dataset["reward"], base)
+            dataset["reward"] = resolve_spec(dataset["reward"], base)
     return raw
 
 

@@ -9,8 +9,10 @@ again; `abort_all` tells every worker to drop what is in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 
@@ -79,6 +81,17 @@ class Router:
             worker.outstanding_requests -= 1
             worker.outstanding_tokens -= tokens
             worker.served += 1
+
+    @contextlib.contextmanager
+    def lease(self, tokens: int) -> Iterator[str]:
+        """The least-loaded healthy worker's URL, counted as ``tokens`` of outstanding work while held:
+        a custom generate function sends every turn of a group to it, so later turns find the
+        earlier ones in its prefix cache."""
+        worker = self._pick(tokens)
+        try:
+            yield worker.url
+        finally:
+            self._done(worker, tokens)
 
     def generate(self, payload: dict) -> dict | list:
         """POST /generate to the least-loaded worker; raises httpx.HTTPStatusError on a 4xx/5xx."""

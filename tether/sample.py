@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class SampleError(ValueError):
+    """A sample whose fields do not line up (tokens, log-probs, loss mask, spans); names the sample."""
+
+
 @dataclass
 class Sample:
     """One generation for one prompt, filled in stage by stage.
@@ -39,8 +43,9 @@ class Sample:
             string), "truncated" (hit max_response_len), "aborted" or "failed".
         weight_versions: the engine weight version of each generation call that extended
             the response, in order (one entry for a single-turn response).
-        span_lengths: how many response tokens each of those calls added (aligned with
-            weight_versions; they sum to the response length when only the policy wrote it).
+        span_lengths: how many response tokens each of those calls added, and each run of
+            inserted tokens (aligned with weight_versions, an inserted run under the version
+            before it, -1 at the start); they sum to the response length.
         reward_info: the whole dict when the reward function returned one; `reward` is then
             its `rollout.reward_key` entry (slime keeps the dict in `reward` itself).
         remove: set (e.g. by a filter) to leave the sample out of training: it keeps its place
@@ -66,6 +71,55 @@ class Sample:
     span_lengths: list[int] = field(default_factory=list)
     reward_info: dict | None = None
     remove: bool = False
+
+    def add_generated(self, ids: list[int], logprobs: list[float], text: str = "",
+                      weight_version: int | None = None) -> None:
+        """Append tokens the policy generated (trained on: loss mask 1) with their engine log-probs;
+        ``weight_version`` (the engine's, from its reply) records the span."""
+        if len(ids) != len(logprobs):
+            raise SampleError(f"{self.describe()}: {len(ids)} generated tokens but {len(logprobs)} log-probs")
+        self._append(ids, list(logprobs), 1, text, weight_version)
+
+    def add_inserted(self, ids: list[int], text: str = "") -> None:
+        """Append tokens the policy did not generate (a tool's output, a user's turn): in the input of
+        later turns and of the trainer, never trained on (loss mask 0, log-prob 0)."""
+        self._append(ids, [0.0] * len(ids), 0, text, self.weight_versions[-1] if self.weight_versions else -1)
+
+    def _append(self, ids, logprobs, mask: int, text: str, version: int | None) -> None:
+        self.check_aligned()
+        if not ids:
+            return
+        if mask == 0 and self.loss_mask is None:
+            self.loss_mask = [1] * self.response_length
+        if self.loss_mask is not None:
+            self.loss_mask = self.loss_mask + [mask] * len(ids)
+        self.response_ids = self.response_ids + [int(t) for t in ids]
+        self.response_logprobs = self.response_logprobs + logprobs
+        self.response_text += text
+        if version is not None:
+            self.weight_versions = self.weight_versions + [int(version)]
+            self.span_lengths = self.span_lengths + [len(ids)]
+
+    def check_aligned(self) -> None:
+        """Raise SampleError, naming the sample, unless the response's tokens, log-probs, loss mask and
+        spans line up."""
+        n, problems = self.response_length, []
+        if len(self.response_logprobs) != n:
+            problems.append(f"{len(self.response_logprobs)} log-probs")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            problems.append(f"a loss mask of {len(self.loss_mask)}")
+        if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
+            problems.append("a loss mask with values other than 0 and 1")
+        if len(self.span_lengths) != len(self.weight_versions):
+            problems.append(f"{len(self.span_lengths)} span lengths for {len(self.weight_versions)} weight versions")
+        elif self.span_lengths and sum(self.span_lengths) != n:
+            problems.append(f"span lengths summing to {sum(self.span_lengths)}")
+        if problems:
+            raise SampleError(f"{self.describe()}: {n} response tokens but " + ", ".join(problems)
+                              + " (append with Sample.add_generated / add_inserted to keep them aligned)")
+
+    def describe(self) -> str:
+        return f"rollout {self.rollout_id}, prompt_index={self.prompt_index}, sample_index={self.sample_index}"
 
     def response_loss_mask(self) -> list[int]:
         """The loss mask over the response tokens (all 1 when unset)."""

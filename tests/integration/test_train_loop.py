@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +233,23 @@ def test_a_remote_reward_model_scores_the_rollouts(ray_session, tiny_model_dir, 
         assert all(d["reward"] == float(bool(d["response_text"])) for d in dumped)
         assert all(d["reward_info"] == {"score": d["reward"], "length": d["response_length"]} for d in dumped)
         assert row["rollout/reward/length_mean"] == row["rollout/response_len_mean"]
+
+
+def test_a_multi_turn_generate_function_in_a_run(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """rollout.custom_generate_fn: two policy turns around an inserted tool answer. The inserted tokens
+    are dumped with loss mask 0 and log-prob 0, and the engine/trainer mismatch, measured on policy
+    tokens only, stays at rounding (the trainer sees the exact tokens every turn conditioned on)."""
+    user = Path(__file__).parent / "user_generate.py"
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", checkpoint={"save_interval": None},
+                      rollout={"num_rollout": 2, "max_response_len": 10, "custom_generate_fn": f"{user}:two_turns"},
+                      eval={"interval": 1})
+    train(config_from_dict(raw))
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    for k, row in enumerate(r for r in rows if "train/loss" in r):
+        assert row["mismatch/logprob_abs_diff_max"] < 1e-4, row
+        dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
+        for d in dumped:
+            mask, lps = d["loss_mask"], d["response_logprobs"]
+            assert 0 in mask and len(mask) == d["response_length"] and "<7>" in d["response_text"], d
+            assert all(lp == 0.0 for m, lp in zip(mask, lps) if m == 0)
+    assert "eval/add/score" in rows[-1]  # eval ran through the same function

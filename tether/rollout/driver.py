@@ -30,7 +30,8 @@ from typing import Awaitable, Callable, Iterator
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.rollout.fleet import EngineFleet, split_groups
+from tether.rollout.fleet import EngineFleet, sampling_payload, split_groups
+from tether.rollout.generate_fn import CustomGenerate, group_tokens
 from tether.sample import Sample
 
 Group = list[Sample]
@@ -78,18 +79,20 @@ class Schedule:
 
 
 class GroupDriver:
-    def __init__(self, fleet: EngineFleet, timeout_s: float):
+    def __init__(self, fleet: EngineFleet, timeout_s: float, custom: CustomGenerate | None = None):
         self.fleet = fleet
         self.timeout_s = timeout_s
+        self.custom = custom
 
     def run(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
-            score: ScoreFn, keep: KeepFn, what: str) -> DriverResult:
-        return asyncio.run(self._run(groups, schedule, params, seed, score, keep, what))
+            score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
+        return asyncio.run(self._run(groups, schedule, params, seed, score, keep, what, evaluation))
 
-    async def _run(self, groups, schedule, params, seed, score, keep, what) -> DriverResult:
+    async def _run(self, groups, schedule, params, seed, score, keep, what, evaluation) -> DriverResult:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
             run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what)
+            run.custom, run.evaluation = self.custom, evaluation
             start = time.perf_counter()
             result = await (run.waves() if schedule.waves else run.streaming())
             result.metrics["timing/generate_s"] = time.perf_counter() - start
@@ -109,6 +112,8 @@ class _Run:
         self.cut = False  # set once the kept groups are known: later aborts are ours
         self.exhausted = False
         self.tag = uuid.uuid4().hex[:8]
+        self.custom: CustomGenerate | None = None
+        self.evaluation = False
         self.reward_s = 0.0
         self.aborted_samples = 0
 
@@ -142,10 +147,19 @@ class _Run:
         item.kept, item.reason = self.keep(item.samples)
         self.decided.append(item)
 
+    async def _generate(self, samples: Group, n: int, what: str) -> None:
+        """Generate these samples (whole groups) in place: one request, or a group's generate function."""
+        seeds, rids = self._seeds(samples, n), self._rids(samples)
+        spec = self.custom.spec_for(samples[0]) if self.custom else None
+        if spec is None:
+            return await self.fleet.generate(self.client, samples, self.params, seeds, rids, what)
+        with self.fleet.router.lease(group_tokens(samples, self.params)) as url:
+            samples[:] = await self.custom.generate_group(
+                spec, list(samples), self.params, lambda p, seed, _s: sampling_payload(p, seed), url, self.client,
+                seeds, rids, lambda: self.cut, self.timeout_s, self.evaluation)
+
     async def _group(self, item: Started) -> None:
-        g = item.samples
-        await self.fleet.generate(self.client, g, self.params, self._seeds(g, len(g)), self._rids(g),
-                                  f"{self.what}, group {item.start}")
+        await self._generate(item.samples, len(item.samples), f"{self.what}, group {item.start}")
         await self._judge(item)
 
     def _cutoff(self) -> list[Started] | None:
@@ -187,6 +201,7 @@ class _Run:
             await self._abort([tasks[t] for t in tasks])
             await asyncio.gather(*tasks)
         except BaseException:
+            self.cut = True  # generate functions start no new turn
             await self._abort_quietly(list(tasks.values()))
             raise
         return self._result(cutoff)
@@ -197,13 +212,16 @@ class _Run:
             wave = [item for item in (self._next() for _ in range(self.s.over_sampling_groups)) if item is not None]
             if not wave:
                 break
-            samples = [s for item in wave for s in item.samples]
             n = len(wave[0].samples)
-            parts = [p for p in split_groups(len(samples), n, self.fleet.num_engines) if p]
-            await asyncio.gather(*(self.fleet.generate(
-                self.client, [samples[i] for i in part], self.params,
-                self._seeds([samples[i] for i in part], n), self._rids([samples[i] for i in part]),
-                f"{self.what}, groups {wave[0].start}..{wave[-1].start}") for part in parts))
+            if self.custom is not None:  # generate functions work a group at a time
+                await asyncio.gather(*(self._generate(item.samples, n, f"{self.what}, group {item.start}")
+                                       for item in wave))
+            else:
+                samples = [s for item in wave for s in item.samples]
+                parts = [p for p in split_groups(len(samples), n, self.fleet.num_engines) if p]
+                await asyncio.gather(*(self._generate(
+                    [samples[i] for i in part], n, f"{self.what}, groups {wave[0].start}..{wave[-1].start}")
+                    for part in parts))
             await asyncio.gather(*(self._judge(item) for item in wave))
             cutoff = self._cutoff()
         return self._result(cutoff)

@@ -46,16 +46,14 @@ def fill_response(sample: Sample, out: dict) -> None:
     """Append one /generate reply to the sample's response (a continued sample already has a part)."""
     meta = out["meta_info"]
     new_ids = list(out["output_ids"])
-    sample.response_ids = sample.response_ids + new_ids
-    sample.response_logprobs = sample.response_logprobs + [lp for lp, _, _ in meta["output_token_logprobs"]]
-    if sample.loss_mask is not None:
-        sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
-    sample.response_text = sample.response_text + out["text"]
-    sample.finish_reason = meta["finish_reason"]["type"]
-    sample.status = STATUS_OF_FINISH.get(sample.finish_reason, "failed")
-    if new_ids or sample.finish_reason != "abort":  # an abort before the first token adds no span
-        sample.weight_versions = sample.weight_versions + [int(meta["weight_version"])]
-        sample.span_lengths = sample.span_lengths + [len(new_ids)]
+    finish = meta["finish_reason"]["type"]
+    # An abort before the first token adds no span.
+    version = int(meta["weight_version"]) if new_ids or finish != "abort" else None
+    sample.add_generated(new_ids, [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"], version)
+    if not new_ids and version is not None:  # a reply with no tokens still records its call
+        sample.weight_versions, sample.span_lengths = sample.weight_versions + [version], sample.span_lengths + [0]
+    sample.finish_reason = finish
+    sample.status = STATUS_OF_FINISH.get(finish, "failed")
 
 
 class EngineFleet:

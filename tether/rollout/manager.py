@@ -19,7 +19,7 @@ from typing import Iterator
 from tether.batch import TrainBatch
 from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
-from tether.rewards.loader import RewardLoadError
+from tether.rewards.loader import RewardLoadError, set_reward
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
 from tether.rollout.buffer import BUFFER_STATE, PartialBuffer, mask_stale_spans
@@ -27,6 +27,7 @@ from tether.rollout.data_source import DataSource, load_prompt_rows
 from tether.rollout.driver import DriverResult, GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
 from tether.rollout.filters import FilterError, keep_all, load_filter
+from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.health import RolloutHealth, answer_counts
@@ -49,10 +50,16 @@ def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "roll
 
 
 async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
-    """The group's rewards as trained on (after overlong shaping): what the dynamic filter sees.
+    """The group's rewards as trained on (after overlong shaping): what the dynamic filter sees. A
+    group whose generate function set every sample's reward keeps those (checked like any reward).
     (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
     r = cfg.rollout
-    await scorer.score_group(group)
+    if all(s.reward is not None for s in group):
+        for s in group:
+            set_reward(s, s.reward_info if s.reward_info is not None else s.reward,
+                       r.custom_generate_fn or "generate function", r.reward_key)
+    else:
+        await scorer.score_group(group)
     if r.overlong_buffer_len is not None:
         apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
 
@@ -61,13 +68,14 @@ def check_user_functions(cfg: TetherConfig) -> None:
     """Load every user function the rollout will call (rewards, group reward, post-process, filter) once
     in the launching process, so that a bad spec fails before Ray starts, naming its config field."""
     problems = []
-    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter)]
+    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
+              lambda: CustomGenerate(cfg.rollout.custom_generate_fn)]
     checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
                for i, e in enumerate(cfg.eval.datasets) if e.reward]
     for load in checks:
         try:
             load()
-        except (RewardLoadError, FilterError) as err:
+        except (RewardLoadError, FilterError, GenerateLoadError) as err:
             problems.append(f"  {err}")
     if ":" in cfg.algorithm.policy_loss:
         from tether.algorithms.losses import get_policy_loss
@@ -122,6 +130,17 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
     )
 
 
+def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
+    """Samples per group in the trained batch: n_samples_per_prompt, or more when a generate function
+    returns several samples for one; every group must have the same number."""
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
+                         f"group advantages (rollout.custom_generate_fn '{cfg.rollout.custom_generate_fn}' "
+                         "returns a varying number of samples)")
+    return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
+
+
 def _tagged(groups: Iterator[list[Sample]], rollout_id: int) -> Iterator[list[Sample]]:
     for group in groups:
         for s in group:
@@ -149,13 +168,17 @@ class RolloutManager:
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
         self.fleet = EngineFleet(engine_urls, self.cfg.cluster.call_timeout_s)
-        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s)
+        eval_rows = [(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0]) for e in self.cfg.eval.datasets]
+        row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
+        row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path)]
+        custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
+                  if r.custom_generate_fn or row_fns else None)
+        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, custom)
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
                                  max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic,
                                  keep_first_finished=r.keep_order == "finish")
-        self.eval_sets = [EvalSet(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0],
-                                  make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
-                          for i, e in enumerate(self.cfg.eval.datasets)]
+        self.eval_sets = [EvalSet(e, rows, make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
+                          for i, (e, rows) in enumerate(eval_rows)]
         self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
         self.health = RolloutHealth(r.n_samples_per_prompt)
         self.buffer = PartialBuffer()
@@ -196,6 +219,9 @@ class RolloutManager:
             data.advance(result.started - continued)
             # Oldest first, so no group waits behind newer ones: carried groups (those started again,
             # then those not reached), then this rollout's fresh ones.
+            for group in result.leftover:  # scored again when kept (with the reward of that rollout)
+                for s in group:
+                    s.reward = s.reward_info = None
             was_carried = {id(g) for g in carried}
             self.buffer.put([g for g in result.leftover if id(g) in was_carried] + carried[continued:]
                             + [g for g in result.leftover if id(g) not in was_carried])
@@ -216,7 +242,7 @@ class RolloutManager:
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
-        return to_train_batch(samples, r.n_samples_per_prompt, r.temperature), metrics
+        return to_train_batch(samples, group_size(result.kept, self.cfg), r.temperature), metrics
 
     def _partial_metrics(self, samples: list[Sample], continued: int) -> dict[str, float]:
         metrics = {"rollout/groups_continued": float(continued), "rollout/buffer_groups": float(len(self.buffer)),
@@ -249,7 +275,7 @@ class RolloutManager:
                                 waves=self.cfg.deterministic)
             self.driver.run(_tagged(iter(groups), rollout_id), schedule, eval_set.params,
                             self._seed(rollout_id, k + 1), eval_set.scorer.score_group, keep_all,
-                            f"eval {name} at rollout {rollout_id}")
+                            f"eval {name} at rollout {rollout_id}", evaluation=True)
             samples = [s for group in groups for s in group]
             score = metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)

@@ -1,0 +1,59 @@
+"""Generate functions loaded by file path in the tests (slime's custom generate function shape)."""
+
+from tether.sample import Sample
+
+CALLS = {"evaluation": []}
+
+
+async def single_turn(ctx, sample, sampling_params):
+    """What the built-in path does, written as a generate function."""
+    await ctx.generate_into(sample, sampling_params)
+    return sample
+
+
+async def two_turns(ctx, sample, sampling_params, evaluation=False):
+    """Up to 3 policy tokens, then a tool's answer is inserted, then the policy goes on."""
+    CALLS["evaluation"].append(evaluation)
+    first = await ctx.generate_into(sample, {**sampling_params, "max_new_tokens": 3 + sample.response_length})
+    if first.aborted:
+        return sample
+    ctx.insert(sample, "<7>")
+    await ctx.generate_into(sample, sampling_params)
+    return sample
+
+
+async def self_scored(ctx, sample, sampling_params):
+    await ctx.generate_into(sample, sampling_params)
+    sample.reward = {"score": float(sample.sample_index), "turns": 1.0}
+    return sample
+
+
+async def two_per_sample(ctx, sample, sampling_params):
+    """Each sample becomes two (say, two agents answering the same prompt)."""
+    twin = Sample(sample.prompt_index, sample.sample_index + 100, sample.prompt, sample.label, dict(sample.metadata),
+                  list(sample.prompt_ids), rollout_id=sample.rollout_id)
+    await ctx.generate_into(sample, sampling_params)
+    await ctx.generate_into(twin, sampling_params)
+    return [sample, twin]
+
+
+async def raises(ctx, sample, sampling_params):
+    await ctx.generate_into(sample, sampling_params)
+    return {"not": "a sample"}[sample.response_text]
+
+
+async def misaligned(ctx, sample, sampling_params):
+    await ctx.generate_into(sample, sampling_params)
+    sample.response_ids = sample.response_ids + [5]  # appended without its log-prob
+    return sample
+
+
+async def wrong_type(ctx, sample, sampling_params):
+    return "text"
+
+
+def sync_single_turn(ctx, sample, sampling_params):
+    """A sync function is called as it is (no awaiting)."""
+    sample.add_generated([5, 6], [-1.0, -1.0], "ab", 0)
+    sample.finish_reason = "stop"
+    return sample

@@ -1,0 +1,224 @@
+"""Custom generate functions: your code produces each sample (multi-turn, tools, agents).
+
+slime's ``--custom-generate-function-path``, with the same shape:
+
+    async def generate(ctx, sample, sampling_params, evaluation=False) -> Sample | list[Sample]:
+        while True:
+            turn = await ctx.generate_into(sample, sampling_params)   # policy tokens: loss mask 1
+            call = parse_tool_call(turn.text)
+            if turn.finish_reason != "stop" or call is None:
+                return sample
+            ctx.insert(sample, run_tool(call))                         # tool tokens: loss mask 0
+
+``rollout.custom_generate_fn`` names it for the run; a data row's ``metadata["generate_fn"]`` names
+one for that row. ``evaluation`` is passed only to a function that takes it. ``sampling_params`` is
+the SGLang dict the engines take (``max_new_tokens`` is the whole response's budget; ``generate_into``
+spends it across turns). ``ctx`` carries:
+
+- ``url``: the engine serving this group (every turn of a group goes to it, so a later turn finds the
+  earlier ones in its prefix cache), ``client`` (an ``httpx.AsyncClient``) for your own requests;
+- ``tokenizer``, ``cfg`` (the resolved TetherConfig), ``rollout_id``, ``evaluation``;
+- ``generate(input_ids, sampling_params)``: one /generate call, returning a ``Generation`` (ids,
+  log-probs, text, finish reason, weight version); ``generate_into(sample, sampling_params)``: the next
+  turn of ``sample``'s response, appended; ``insert(sample, text | ids)``: inserted tokens.
+
+Every call carries the sample's request id, so the driver's abort (dynamic sampling, partial rollout)
+reaches it; after an abort, ``generate`` answers at once with ``finish_reason == "abort"``. A sample
+carried over by partial rollout comes back with its response so far: ``generate_into`` continues it.
+The first call of a sample uses the seed the built-in path would, so a single-turn function samples
+the same tokens as the default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import httpx
+
+from tether.config import TetherConfig, resolve_spec
+from tether.engine.sampling import SamplingParams
+from tether.importing import load_function
+from tether.sample import STATUS_OF_FINISH, Sample, SampleError
+
+FIELD = "rollout.custom_generate_fn"
+ROW_KEY = "generate_fn"
+
+
+class GenerateLoadError(ValueError):
+    """A generate function named by the config or a data row cannot be loaded."""
+
+
+class GenerateError(RuntimeError):
+    """A generate function raised, or returned something that cannot be trained on; names the sample."""
+
+
+@dataclass
+class Generation:
+    """One /generate call's result."""
+
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    """"stop", "length" or "abort"."""
+    weight_version: int
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+class GenerateContext:
+    """What a generate function gets besides its sample (one per sample and call)."""
+
+    def __init__(self, *, url: str, client: httpx.AsyncClient, tokenizer, cfg: TetherConfig | None, rollout_id: int,
+                 evaluation: bool, rid: str, seed: int, is_cut: Callable[[], bool], timeout_s: float):
+        self.url, self.client, self.tokenizer, self.cfg = url, client, tokenizer, cfg
+        self.rollout_id, self.evaluation = rollout_id, evaluation
+        self.rid, self._seed, self._is_cut, self._timeout_s = rid, seed, is_cut, timeout_s
+        self.calls = 0
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> Generation:
+        """One /generate call on this group's engine, with log-probs."""
+        if self._is_cut():  # the rollout has its groups: no new work
+            return Generation([], [], "", "abort", -1)
+        # Call k of a sample has its own seed; the first is the built-in path's.
+        seed = self._seed if self.calls == 0 else (self._seed * 1_000_033 + self.calls) % (1 << 62)
+        self.calls += 1
+        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": {**sampling_params, "sampling_seed": seed},
+                   "rid": self.rid, "return_logprob": True}
+        reply = await self.client.post(f"{self.url}/generate", json=payload, timeout=self._timeout_s)
+        if reply.status_code != 200:
+            raise GenerateError(f"engine {self.url} answered {reply.status_code} to /generate: {reply.text[:500]}")
+        out = reply.json()
+        meta = out["meta_info"]
+        return Generation(list(out["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"],
+                          meta["finish_reason"]["type"], int(meta["weight_version"]))
+
+    async def generate_into(self, sample: Sample, sampling_params: dict) -> Generation:
+        """Generate the next part of ``sample``'s response from its prompt and response so far and append
+        it (trained on). ``sampling_params["max_new_tokens"]`` bounds the whole response: with nothing
+        left the sample is truncated without a call."""
+        left = int(sampling_params["max_new_tokens"]) - sample.response_length
+        if left <= 0:
+            gen = Generation([], [], "", "length", sample.weight_versions[-1] if sample.weight_versions else -1)
+        else:
+            gen = await self.generate(sample.prompt_ids + sample.response_ids, {**sampling_params, "max_new_tokens": left})
+            # An abort before the first token adds no span.
+            sample.add_generated(gen.ids, gen.logprobs, gen.text, None if gen.aborted and not gen.ids else gen.weight_version)
+        sample.finish_reason = gen.finish_reason
+        sample.status = STATUS_OF_FINISH.get(gen.finish_reason, "failed")
+        return gen
+
+    def insert(self, sample: Sample, content: str | list[int]) -> list[int]:
+        """Append inserted tokens (text is tokenized without special tokens): in the input of later turns,
+        not trained on. Returns their ids."""
+        ids = self.tokenizer.encode(content, add_special_tokens=False) if isinstance(content, str) else list(content)
+        text = content if isinstance(content, str) else self.tokenizer.decode(ids)
+        sample.add_inserted(ids, text)
+        return ids
+
+
+def takes_evaluation(fn: Callable) -> bool:
+    """Whether ``fn`` accepts an ``evaluation`` keyword (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "evaluation" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in params)
+
+
+class CustomGenerate:
+    """The generate functions of a run, loaded once: the config's and those data rows name."""
+
+    def __init__(self, default: str | None, rows: Iterable[tuple[str, str]] = (), tokenizer=None,
+                 cfg: TetherConfig | None = None):
+        """``rows``: (spec, "file:line") of each data row naming its own function (see ``resolve_rows``)."""
+        self.default, self.tokenizer, self.cfg = default, tokenizer, cfg
+        self.fns: dict[str, Callable] = {}
+        if default:
+            self.fns[default] = _load(default, FIELD)
+        for spec, where in rows:
+            if spec not in self.fns:
+                self.fns[spec] = _load(spec, f"{where}: metadata.{ROW_KEY}")
+
+    @staticmethod
+    def resolve_rows(rows, path: str) -> list[tuple[str, str]]:
+        """(spec, "file:line") of every row whose metadata names a generate function, a relative
+        ``file.py:fn`` made absolute against the data file's folder (in the row itself too)."""
+        found = []
+        for row in rows:
+            spec = row.metadata.get(ROW_KEY) if isinstance(row.metadata, dict) else None
+            if spec:
+                row.metadata[ROW_KEY] = resolve_spec(spec, Path(path).resolve().parent)
+                found.append((row.metadata[ROW_KEY], f"{path}:{row.line}"))
+        return found
+
+    def spec_for(self, sample: Sample) -> str | None:
+        """The function that generates this sample: its row's, else the run's (None: the built-in path)."""
+        spec = sample.metadata.get(ROW_KEY) if isinstance(sample.metadata, dict) else None
+        return spec or self.default
+
+    async def generate_group(self, spec: str, samples: list[Sample], params: SamplingParams, payload: Callable,
+                             url: str, client: httpx.AsyncClient, seeds: list[int], rids: list[str],
+                             is_cut: Callable[[], bool], timeout_s: float, evaluation: bool) -> list[Sample]:
+        """Run the function on every sample of a group at once; returns the group's samples (a function
+        may return several for one)."""
+        fn = self.fns[spec]
+        out = await asyncio.gather(*(
+            self._one(fn, spec, s, payload(params, seed, s), url, client, rid, seed, is_cut, timeout_s, evaluation)
+            for s, seed, rid in zip(samples, seeds, rids)))
+        return [s for produced in out for s in produced]
+
+    async def _one(self, fn, spec, sample, sampling_params, url, client, rid, seed, is_cut, timeout_s,
+                   evaluation) -> list[Sample]:
+        if sample.status in ("completed", "truncated"):  # carried over complete (partial rollout)
+            return [sample]
+        ctx = GenerateContext(url=url, client=client, tokenizer=self.tokenizer, cfg=self.cfg,
+                              rollout_id=sample.rollout_id, evaluation=evaluation, rid=rid, seed=seed,
+                              is_cut=is_cut, timeout_s=timeout_s)
+        kwargs = {"evaluation": evaluation} if takes_evaluation(fn) else {}
+        try:
+            result = fn(ctx, sample, sampling_params, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except GenerateError as err:
+            raise GenerateError(f"{FIELD} '{spec}' on {sample.describe()}: {err}") from err
+        except Exception as err:
+            raise GenerateError(f"{FIELD} '{spec}' raised {type(err).__name__}: {err}{_where(err)} "
+                                f"({sample.describe()})") from err
+        produced = result if isinstance(result, list) else [result]
+        if not produced or not all(isinstance(s, Sample) for s in produced):
+            raise GenerateError(f"{FIELD} '{spec}' returned {result!r:.200} for {sample.describe()}; expected a "
+                                "Sample or a non-empty list of Samples")
+        for s in produced:
+            if s.status == "pending":
+                s.status = STATUS_OF_FINISH.get(s.finish_reason, "completed")
+            try:
+                s.check_aligned()
+            except SampleError as err:
+                raise GenerateError(f"{FIELD} '{spec}' returned a sample that cannot be trained on: {err}") from None
+        return produced
+
+
+def _load(spec: str, field: str) -> Callable:
+    try:
+        return load_function(spec, "generate function", GenerateLoadError)
+    except GenerateLoadError as err:
+        raise GenerateLoadError(f"{field}: {err}") from None
+
+
+def _where(err: Exception) -> str:
+    """' at file:line' of the frame that raised (the user's code, usually)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
+def group_tokens(samples: list[Sample], params: SamplingParams) -> int:
+    """A group's expected KV work, for choosing its engine."""
+    return sum(len(s.prompt_ids) + params.max_new_tokens for s in samples)
