@@ -53,6 +53,25 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """An embedded engine server on the tiny model, over real HTTP, in this process (no Ray)."""
+    import torch
+
+    from tether.engine.core import EngineCore
+    from tether.engine.embedded import EmbeddedEngine
+    from tether.engine.server import EngineServer
+    from tether.trainer.model import load_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir)))
+    srv = EngineServer(core).start()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
 def tiny_config(model_dir: Path, data: dict[str, Path], out: Path, **sections) -> dict:
     """A raw config for a fast run: 4 prompts x 4 samples, 4-token responses."""
     cfg = {

@@ -7,10 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.engine.core import EngineCore
-from tether.engine.embedded import EmbeddedEngine
 from tether.engine.sampling import SamplingParams
-from tether.engine.server import EngineServer
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.filters import keep_all
 from tether.rollout.fleet import EngineFleet
@@ -21,17 +18,6 @@ from tether.trainer.model import load_tokenizer
 pytestmark = pytest.mark.integration
 N = 3
 USER = Path(__file__).parent / "user_generate.py"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir)))
-    srv = EngineServer(core).start()
-    yield srv
-    srv.stop()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

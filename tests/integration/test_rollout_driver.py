@@ -11,34 +11,18 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from tests.integration.reward_server import RewardServer
-from tether.engine.core import EngineCore
-from tether.engine.embedded import EmbeddedEngine
 from tether.engine.sampling import SamplingParams
-from tether.engine.server import EngineServer
 from tether.rewards.loader import RewardError
 from tether.rewards.scorer import Scorer
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.filters import keep_all, nonzero_reward_std
 from tether.rollout.fleet import EngineFleet
 from tether.sample import Sample
-from tether.trainer.model import load_tokenizer
 
 pytestmark = pytest.mark.integration
 N = 4  # samples per group
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir)))
-    srv = EngineServer(core).start()
-    yield srv
-    srv.stop()
-    torch.set_num_threads(threads)
 
 
 def groups(count: int):
