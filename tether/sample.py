@@ -80,6 +80,19 @@ class Sample:
             raise SampleError(f"{self.describe()}: {len(ids)} generated tokens but {len(logprobs)} log-probs")
         self._append(ids, list(logprobs), 1, text, weight_version)
 
+    def add_reply(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str,
+                  weight_version: int) -> None:
+        """Append one generation call's reply: its tokens (trained on), the call's span (an empty reply
+        records an empty one; an abort before the first token, none), and the finish reason and status
+        it leaves the sample in."""
+        if ids:
+            self.add_generated(ids, logprobs, text, weight_version)
+        elif finish_reason != "abort":
+            self.weight_versions = self.weight_versions + [int(weight_version)]
+            self.span_lengths = self.span_lengths + [0]
+        self.finish_reason = finish_reason
+        self.status = STATUS_OF_FINISH.get(finish_reason, "failed")
+
     def add_inserted(self, ids: list[int], text: str = "") -> None:
         """Append tokens the policy did not generate (a tool's output, a user's turn): in the input of
         later turns and of the trainer, never trained on (loss mask 0, log-prob 0)."""

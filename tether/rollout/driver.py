@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, Iterator
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.rollout.fleet import EngineFleet, sampling_payload, split_groups
+from tether.rollout.fleet import EngineFleet, split_groups
 from tether.rollout.generate_fn import CustomGenerate, group_tokens
 from tether.sample import Sample
 
@@ -154,9 +154,8 @@ class _Run:
         if spec is None:
             return await self.fleet.generate(self.client, samples, self.params, seeds, rids, what)
         with self.fleet.router.lease(group_tokens(samples, self.params)) as url:
-            samples[:] = await self.custom.generate_group(
-                spec, list(samples), self.params, lambda p, seed, _s: sampling_payload(p, seed), url, self.client,
-                seeds, rids, lambda: self.cut, self.timeout_s, self.evaluation)
+            samples[:] = await self.custom.generate_group(spec, list(samples), self.params, url, self.client, seeds,
+                                                          rids, lambda: self.cut, self.timeout_s, self.evaluation)
 
     async def _group(self, item: Started) -> None:
         await self._generate(item.samples, len(item.samples), f"{self.what}, group {item.start}")

@@ -14,7 +14,7 @@ import httpx
 
 from tether.engine.sampling import SamplingParams
 from tether.router import Router
-from tether.sample import STATUS_OF_FINISH, Sample
+from tether.sample import Sample
 
 
 def split_groups(num_samples: int, group_size: int, parts: int) -> list[range]:
@@ -45,15 +45,8 @@ def _url(err: httpx.TransportError) -> str:
 def fill_response(sample: Sample, out: dict) -> None:
     """Append one /generate reply to the sample's response (a continued sample already has a part)."""
     meta = out["meta_info"]
-    new_ids = list(out["output_ids"])
-    finish = meta["finish_reason"]["type"]
-    # An abort before the first token adds no span.
-    version = int(meta["weight_version"]) if new_ids or finish != "abort" else None
-    sample.add_generated(new_ids, [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"], version)
-    if not new_ids and version is not None:  # a reply with no tokens still records its call
-        sample.weight_versions, sample.span_lengths = sample.weight_versions + [version], sample.span_lengths + [0]
-    sample.finish_reason = finish
-    sample.status = STATUS_OF_FINISH.get(finish, "failed")
+    sample.add_reply(list(out["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"],
+                     meta["finish_reason"]["type"], int(meta["weight_version"]))
 
 
 class EngineFleet:

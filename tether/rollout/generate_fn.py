@@ -43,6 +43,7 @@ import httpx
 from tether.config import TetherConfig, resolve_spec
 from tether.engine.sampling import SamplingParams
 from tether.importing import load_function
+from tether.rollout.fleet import sampling_payload
 from tether.sample import STATUS_OF_FINISH, Sample, SampleError
 
 FIELD = "rollout.custom_generate_fn"
@@ -105,14 +106,11 @@ class GenerateContext:
         it (trained on). ``sampling_params["max_new_tokens"]`` bounds the whole response: with nothing
         left the sample is truncated without a call."""
         left = int(sampling_params["max_new_tokens"]) - sample.response_length
-        if left <= 0:
-            gen = Generation([], [], "", "length", sample.weight_versions[-1] if sample.weight_versions else -1)
-        else:
-            gen = await self.generate(sample.prompt_ids + sample.response_ids, {**sampling_params, "max_new_tokens": left})
-            # An abort before the first token adds no span.
-            sample.add_generated(gen.ids, gen.logprobs, gen.text, None if gen.aborted and not gen.ids else gen.weight_version)
-        sample.finish_reason = gen.finish_reason
-        sample.status = STATUS_OF_FINISH.get(gen.finish_reason, "failed")
+        if left <= 0:  # no call: no span
+            sample.finish_reason, sample.status = "length", "truncated"
+            return Generation([], [], "", "length", sample.weight_versions[-1] if sample.weight_versions else -1)
+        gen = await self.generate(sample.prompt_ids + sample.response_ids, {**sampling_params, "max_new_tokens": left})
+        sample.add_reply(gen.ids, gen.logprobs, gen.text, gen.finish_reason, gen.weight_version)
         return gen
 
     def insert(self, sample: Sample, content: str | list[int]) -> list[int]:
@@ -146,6 +144,7 @@ class CustomGenerate:
         for spec, where in rows:
             if spec not in self.fns:
                 self.fns[spec] = _load(spec, f"{where}: metadata.{ROW_KEY}")
+        self.takes_evaluation = {spec: takes_evaluation(fn) for spec, fn in self.fns.items()}
 
     @staticmethod
     def resolve_rows(rows, path: str) -> list[tuple[str, str]]:
@@ -164,27 +163,26 @@ class CustomGenerate:
         spec = sample.metadata.get(ROW_KEY) if isinstance(sample.metadata, dict) else None
         return spec or self.default
 
-    async def generate_group(self, spec: str, samples: list[Sample], params: SamplingParams, payload: Callable,
-                             url: str, client: httpx.AsyncClient, seeds: list[int], rids: list[str],
+    async def generate_group(self, spec: str, samples: list[Sample], params: SamplingParams, url: str,
+                             client: httpx.AsyncClient, seeds: list[int], rids: list[str],
                              is_cut: Callable[[], bool], timeout_s: float, evaluation: bool) -> list[Sample]:
         """Run the function on every sample of a group at once; returns the group's samples (a function
         may return several for one)."""
-        fn = self.fns[spec]
         out = await asyncio.gather(*(
-            self._one(fn, spec, s, payload(params, seed, s), url, client, rid, seed, is_cut, timeout_s, evaluation)
+            self._one(spec, s, sampling_payload(params, seed), url, client, rid, seed, is_cut, timeout_s, evaluation)
             for s, seed, rid in zip(samples, seeds, rids)))
         return [s for produced in out for s in produced]
 
-    async def _one(self, fn, spec, sample, sampling_params, url, client, rid, seed, is_cut, timeout_s,
+    async def _one(self, spec, sample, sampling_params, url, client, rid, seed, is_cut, timeout_s,
                    evaluation) -> list[Sample]:
         if sample.status in ("completed", "truncated"):  # carried over complete (partial rollout)
             return [sample]
         ctx = GenerateContext(url=url, client=client, tokenizer=self.tokenizer, cfg=self.cfg,
                               rollout_id=sample.rollout_id, evaluation=evaluation, rid=rid, seed=seed,
                               is_cut=is_cut, timeout_s=timeout_s)
-        kwargs = {"evaluation": evaluation} if takes_evaluation(fn) else {}
+        kwargs = {"evaluation": evaluation} if self.takes_evaluation[spec] else {}
         try:
-            result = fn(ctx, sample, sampling_params, **kwargs)
+            result = self.fns[spec](ctx, sample, sampling_params, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
         except GenerateError as err:

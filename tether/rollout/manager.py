@@ -136,8 +136,7 @@ def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
     sizes = sorted({len(g) for g in groups})
     if len(sizes) > 1:
         raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
-                         f"group advantages (rollout.custom_generate_fn '{cfg.rollout.custom_generate_fn}' "
-                         "returns a varying number of samples)")
+                         "group advantages (a generate function returned a varying number of samples)")
     return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
 
 
