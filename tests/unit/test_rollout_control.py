@@ -149,9 +149,12 @@ def test_bad_functions_fail_before_anything_starts(tmp_path):
 
     user = tmp_path / "fns.py"
     user.write_text("def ok(sample):\n    return 1.0\n")
-    cfg = config_from_dict({"model": {"path": str(tmp_path)},
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"prompt": "1+1="}\n\n{"prompt": "2+2=", "metadata": {"generate_fn": "agent.py:run"}}\n')
+    cfg = config_from_dict({"model": {"path": str(tmp_path)}, "data": {"path": str(data)},
                             "rollout": {"reward": f"{user}:ok", "dynamic_filter": f"{user}:missing",
-                                        "group_reward": "no_such_module:fn"},
+                                        "group_reward": "no_such_module:fn", "custom_generate_fn": f"{user}:nope"},
                             "algorithm": {"policy_loss": f"{tmp_path}/loss.py:fn"}})
     with pytest.raises(ConfigError) as err:
         check_user_functions(cfg)
@@ -159,6 +162,9 @@ def test_bad_functions_fail_before_anything_starts(tmp_path):
     assert "rollout.group_reward: group reward spec 'no_such_module:fn': module 'no_such_module' not found" in text
     assert f"rollout.dynamic_filter: dynamic filter spec '{user}:missing'" in text and "has no attribute" in text
     assert "algorithm.policy_loss:" in text and "loss.py' not found" in text
+    assert f"rollout.custom_generate_fn: generate function spec '{user}:nope'" in text
+    # a row's own function, relative to its data file, named by the file and line
+    assert f"{data}:3: metadata.generate_fn:" in text and f"'{data.parent}/agent.py' not found" in text
 
 
 def test_partial_buffer_state_round_trip_and_stale_spans():

@@ -148,14 +148,14 @@ class CustomGenerate:
 
     @staticmethod
     def resolve_rows(rows, path: str) -> list[tuple[str, str]]:
-        """(spec, "file:line") of every row whose metadata names a generate function, a relative
-        ``file.py:fn`` made absolute against the data file's folder (in the row itself too)."""
+        """(spec, "file:line") of every loaded prompt row naming its own generate function; the spec is
+        resolved in the row itself too."""
         found = []
         for row in rows:
-            spec = row.metadata.get(ROW_KEY) if isinstance(row.metadata, dict) else None
+            spec = row_spec(row.metadata, path)
             if spec:
-                row.metadata[ROW_KEY] = resolve_spec(spec, Path(path).resolve().parent)
-                found.append((row.metadata[ROW_KEY], f"{path}:{row.line}"))
+                row.metadata[ROW_KEY] = spec
+                found.append((spec, f"{path}:{row.line}"))
         return found
 
     def spec_for(self, sample: Sample) -> str | None:
@@ -202,6 +202,13 @@ class CustomGenerate:
             except SampleError as err:
                 raise GenerateError(f"{FIELD} '{spec}' returned a sample that cannot be trained on: {err}") from None
         return produced
+
+
+def row_spec(metadata, data_path: str) -> str | None:
+    """A data row's own generate function, a relative ``file.py:fn`` made absolute against the data
+    file's folder; None when the row names none."""
+    spec = metadata.get(ROW_KEY) if isinstance(metadata, dict) else None
+    return resolve_spec(spec, Path(data_path).resolve().parent) if spec else None
 
 
 def _load(spec: str, field: str) -> Callable:

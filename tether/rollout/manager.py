@@ -23,11 +23,11 @@ from tether.rewards.loader import RewardLoadError, set_reward
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
 from tether.rollout.buffer import BUFFER_STATE, PartialBuffer, mask_stale_spans
-from tether.rollout.data_source import DataSource, load_prompt_rows
+from tether.rollout.data_source import DatasetError, DataSource, load_prompt_rows, read_rows
 from tether.rollout.driver import DriverResult, GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
 from tether.rollout.filters import FilterError, keep_all, load_filter
-from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError
+from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.health import RolloutHealth, answer_counts
@@ -65,17 +65,18 @@ async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -
 
 
 def check_user_functions(cfg: TetherConfig) -> None:
-    """Load every user function the rollout will call (rewards, group reward, post-process, filter) once
-    in the launching process, so that a bad spec fails before Ray starts, naming its config field."""
+    """Load every user function the rollout will call (rewards, group reward, post-process, filter,
+    generate functions, data rows' own included) once in the launching process, so that a bad spec
+    fails before Ray starts, naming its config field (or its data file and line)."""
     problems = []
     checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
-              lambda: CustomGenerate(cfg.rollout.custom_generate_fn)]
+              lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg))]
     checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
                for i, e in enumerate(cfg.eval.datasets) if e.reward]
     for load in checks:
         try:
             load()
-        except (RewardLoadError, FilterError, GenerateLoadError) as err:
+        except (RewardLoadError, FilterError, GenerateLoadError, DatasetError) as err:
             problems.append(f"  {err}")
     if ":" in cfg.algorithm.policy_loss:
         from tether.algorithms.losses import get_policy_loss
@@ -86,6 +87,16 @@ def check_user_functions(cfg: TetherConfig) -> None:
             problems.append(f"  algorithm.policy_loss: {err}")
     if problems:
         raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
+
+
+def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:
+    """(spec, where) of every prompt and eval row that names its own generate function."""
+    found = []
+    for path in [cfg.data.path] + [e.path for e in cfg.eval.datasets]:
+        if path and Path(path).is_file():
+            found += [(spec, where) for _, where, obj in read_rows(Path(path))
+                      if (spec := row_spec(obj.get(cfg.data.metadata_key), path))]
+    return found
 
 
 def _renumbered(group: list[Sample], k: int) -> list[Sample]:
