@@ -50,6 +50,8 @@ class Sample:
             its `rollout.reward_key` entry (slime keeps the dict in `reward` itself).
         remove: set (e.g. by a filter) to leave the sample out of training: it keeps its place
             in its group, with a loss mask of all 0.
+        metrics: numbers a generate function records about the sample (tool calls, turns, ...);
+            averaged over the rollout as `rollout/sample/<name>_mean` (eval: `eval/<set>/<name>_mean`).
     """
 
     prompt_index: int
@@ -71,6 +73,7 @@ class Sample:
     span_lengths: list[int] = field(default_factory=list)
     reward_info: dict | None = None
     remove: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def add_generated(self, ids: list[int], logprobs: list[float], text: str = "",
                       weight_version: int | None = None) -> None:
@@ -170,6 +173,7 @@ class Sample:
             "span_lengths": [int(n) for n in self.span_lengths],
             "reward_info": None if self.reward_info is None else {k: _json_float(v) for k, v in self.reward_info.items()},
             "remove": bool(self.remove),
+            "metrics": {k: _json_float(v) for k, v in self.metrics.items()},
         }
 
 

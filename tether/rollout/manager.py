@@ -121,7 +121,16 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     for key in parts:  # every entry of dict rewards, not only the one trained on
         metrics[f"rollout/reward/{key}_mean"] = statistics.fmean(
             s.reward_info[key] for s in samples if s.reward_info and key in s.reward_info)
+    metrics.update(sample_metrics(samples, "rollout/sample"))
     return metrics
+
+
+def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """The mean of each number generate functions recorded in `Sample.metrics`, over the samples that
+    have it (a tool-call count, turns per sample)."""
+    names = sorted({k for s in samples for k in s.metrics})
+    return {f"{prefix}/{k}_mean": statistics.fmean(float(s.metrics[k]) for s in samples if k in s.metrics)
+            for k in names}
 
 
 def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
@@ -289,6 +298,7 @@ class RolloutManager:
             samples = [s for group in groups for s in group]
             score = metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+            metrics.update(sample_metrics(samples, f"eval/{name}"))
             prompts = prompt_pass_rates(samples, n, eval_set.cfg.pass_threshold)
             metrics.update(pass_metrics(prompts, n, name))
             answers = answer_counts(samples)
