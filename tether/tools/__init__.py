@@ -2,5 +2,6 @@
 
 from tether.tools.base import Tool, ToolResult
 from tether.tools.calculator import Calculator
+from tether.tools.python import PythonSandbox
 
-__all__ = ["Calculator", "Tool", "ToolResult"]
+__all__ = ["Calculator", "PythonSandbox", "Tool", "ToolResult"]
