@@ -139,6 +139,11 @@ class RolloutConfig(Section):
     file.py:function ``async def generate(ctx, sample, sampling_params[, evaluation]) -> Sample |
     list[Sample]`` (slime's custom generate function; tether/rollout/generate_fn.py). A data row's
     metadata "generate_fn" overrides it for that row. None: one /generate call per sample."""
+    custom_rollout_fn: str | None = None
+    """Your own rollout step: a module:function or file.py:function ``[async] def rollout(ctx, rollout_id,
+    data_source, evaluation=False) -> list[list[Sample]] | RolloutOutput`` returning the groups to train
+    on (slime's rollout function; tether/rollout/rollout_fn.py). Eval sets use it too when it takes
+    ``evaluation``. None: the built-in rollout (streaming, dynamic filter, partial rollout)."""
     over_sampling_groups: int | None = Field(None, ge=1)
     """Groups started at the beginning of a rollout, at least prompts_per_rollout (None: exactly that);
     as groups are dropped, more start, up to this many not dropped at a time."""
@@ -187,6 +192,9 @@ class RolloutConfig(Section):
         if self.keep_order == "finish" and not self.partial_rollout:
             raise ValueError("rollout.keep_order: finish needs rollout.partial_rollout: true (the groups cut "
                              "short between kept ones are continued by the next rollout, not lost)")
+        if self.custom_rollout_fn and self.partial_rollout:
+            raise ValueError("rollout.partial_rollout is the built-in rollout's; with rollout.custom_rollout_fn, "
+                             "hand unfinished groups back with data_source.add_samples(groups)")
         return self
 
     @property
@@ -522,7 +530,8 @@ def resolve_function_specs(raw: dict, base: Path) -> dict:
     """Resolve the file specs of user functions (rewards, policy loss) in a raw config against ``base``:
     the config file's folder for values written in it, the working directory for overrides."""
     for section, key in (("rollout", "reward"), ("rollout", "group_reward"), ("rollout", "reward_post_process"),
-                         ("rollout", "dynamic_filter"), ("rollout", "custom_generate_fn"), ("algorithm", "policy_loss")):
+                         ("rollout", "dynamic_filter"), ("rollout", "custom_generate_fn"),
+                         ("rollout", "custom_rollout_fn"), ("algorithm", "policy_loss")):
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
             node[key] = resolve_spec(node[key], base)

@@ -86,24 +86,34 @@ class GroupDriver:
 
     def run(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
             score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
-        return asyncio.run(self._run(groups, schedule, params, seed, score, keep, what, evaluation))
+        return asyncio.run(self.arun(groups, schedule, params, seed, score, keep, what, evaluation))
 
-    async def _run(self, groups, schedule, params, seed, score, keep, what, evaluation) -> DriverResult:
+    async def arun(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
+                   score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
-            run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what)
-            run.custom, run.evaluation = self.custom, evaluation
+            run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what, self.custom, evaluation)
             start = time.perf_counter()
             result = await (run.waves() if schedule.waves else run.streaming())
             result.metrics["timing/generate_s"] = time.perf_counter() - start
             result.metrics["timing/reward_s"] = run.reward_s
             return result
 
+    async def generate_group(self, client: httpx.AsyncClient, group: Group, params: SamplingParams, seed: int,
+                             what: str, evaluation: bool = False) -> Group:
+        """One group generated in place, as a run would generate it (for rollout functions); returns it
+        (a generate function may change its size)."""
+        run = _Run(self.fleet, client, iter(()), Schedule(1, 1, None, False), params, seed, None, None, what,
+                   self.custom, evaluation)
+        await run._generate(group, len(group), what)
+        return group
+
 
 class _Run:
     """One driver run: the started groups, in start order, and what became of each."""
 
-    def __init__(self, fleet, client, groups, schedule: Schedule, params, seed, score, keep, what):
+    def __init__(self, fleet, client, groups, schedule: Schedule, params, seed, score, keep, what,
+                 custom: CustomGenerate | None = None, evaluation: bool = False):
         self.fleet, self.client, self.source, self.s = fleet, client, groups, schedule
         self.params, self.seed, self.score, self.keep, self.what = params, seed, score, keep, what
         self.timeout_s = fleet.timeout_s
@@ -112,8 +122,7 @@ class _Run:
         self.cut = False  # set once the kept groups are known: later aborts are ours
         self.exhausted = False
         self.tag = uuid.uuid4().hex[:8]
-        self.custom: CustomGenerate | None = None
-        self.evaluation = False
+        self.custom, self.evaluation = custom, evaluation
         self.reward_s = 0.0
         self.aborted_samples = 0
 

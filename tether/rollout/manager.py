@@ -7,14 +7,13 @@ on to the trainer) together with a small dict of metrics.
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import statistics
 import time
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 from tether.batch import TrainBatch
 from tether.config import ConfigError, TetherConfig, config_from_dict
@@ -22,23 +21,22 @@ from tether.engine.sampling import SamplingParams
 from tether.rewards.loader import RewardLoadError, set_reward
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
-from tether.rollout.buffer import BUFFER_STATE, PartialBuffer, mask_stale_spans
+from tether.rollout.buffer import BUFFER_STATE, PartialBuffer
+from tether.rollout.builtin import DataExhaustedError, builtin_rollout  # noqa: F401 - DataExhaustedError re-exported
 from tether.rollout.data_source import DatasetError, DataSource, load_prompt_rows, read_rows
-from tether.rollout.driver import DriverResult, GroupDriver, Schedule
+from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
-from tether.rollout.filters import FilterError, keep_all, load_filter
-from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
+from tether.rollout.filters import FilterError, load_filter
+from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec, takes_evaluation
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
-from tether.rollout.fleet import EngineFleet
+from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.health import RolloutHealth, answer_counts
+from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
+                                       RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.sample import Sample
 from tether.trainer.model import load_tokenizer
 
 DATA_STATE = "data_source.json"
-
-
-class DataExhaustedError(RuntimeError):
-    """The epoch's prompts ran out before enough groups passed the dynamic filter."""
 
 
 def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
@@ -70,13 +68,14 @@ def check_user_functions(cfg: TetherConfig) -> None:
     fails before Ray starts, naming its config field (or its data file and line)."""
     problems = []
     checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
-              lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg))]
+              lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg)),
+              lambda: cfg.rollout.custom_rollout_fn and load_rollout_fn(cfg.rollout.custom_rollout_fn)]
     checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
                for i, e in enumerate(cfg.eval.datasets) if e.reward]
     for load in checks:
         try:
             load()
-        except (RewardLoadError, FilterError, GenerateLoadError, DatasetError) as err:
+        except (RewardLoadError, FilterError, GenerateLoadError, RolloutFnLoadError, DatasetError) as err:
             problems.append(f"  {err}")
     if ":" in cfg.algorithm.policy_loss:
         from tether.algorithms.losses import get_policy_loss
@@ -97,13 +96,6 @@ def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:
             found += [(spec, where) for _, where, obj in read_rows(Path(path))
                       if (spec := row_spec(obj.get(cfg.data.metadata_key), path))]
     return found
-
-
-def _renumbered(group: list[Sample], k: int) -> list[Sample]:
-    # A kept group's index is its place in the trained batch (the driver numbered it by start order).
-    for s in group:
-        s.group_index = k
-    return group
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -160,13 +152,6 @@ def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
     return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
 
 
-def _tagged(groups: Iterator[list[Sample]], rollout_id: int) -> Iterator[list[Sample]]:
-    for group in groups:
-        for s in group:
-            s.rollout_id = rollout_id
-        yield group
-
-
 class RolloutManager:
     def __init__(self, cfg_dict: dict, engine_urls: list[str]):
         self.cfg: TetherConfig = config_from_dict(cfg_dict, "rollout manager")
@@ -193,6 +178,7 @@ class RolloutManager:
         custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
                   if r.custom_generate_fn or row_fns else None)
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, custom)
+        self.rollout_fn = load_rollout_fn(r.custom_rollout_fn) if r.custom_rollout_fn else None
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
                                  max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic,
                                  keep_first_finished=r.keep_order == "finish")
@@ -229,73 +215,63 @@ class RolloutManager:
         r = self.cfg.rollout
         data = self._require_data()
         epoch = data.epoch
-        carried = self.buffer.take()  # partial rollout: last rollout's unfinished groups go first
-        result = self.driver.run(_tagged(itertools.chain(carried, data.peek_groups()), rollout_id), self.schedule,
-                                 self.params, self._seed(rollout_id, 0), partial(score_shaped, self.scorer, self.cfg),
-                                 self.keep, f"rollout {rollout_id}")
-        continued = min(len(carried), result.started)
-        if r.partial_rollout:  # every fresh group started is used up: kept, dropped, or carried on
-            data.advance(result.started - continued)
-            # Oldest first, so no group waits behind newer ones: carried groups (those started again,
-            # then those not reached), then this rollout's fresh ones.
-            for group in result.leftover:  # scored again when kept (with the reward of that rollout)
-                for s in group:
-                    s.reward = s.reward_info = None
-            was_carried = {id(g) for g in carried}
-            self.buffer.put([g for g in result.leftover if id(g) in was_carried] + carried[continued:]
-                            + [g for g in result.leftover if id(g) not in was_carried])
-        else:
-            data.advance(result.consumed)
-        metrics, warnings = result.metrics, self._check_exhausted(result, rollout_id)
-        samples = [s for k, group in enumerate(result.kept) for s in _renumbered(group, k)]
-        if r.partial_rollout:
-            metrics.update(self._partial_metrics(samples, continued))
+        ctx = self._context(rollout_id, False, self.params, self._seed(rollout_id, 0),
+                            partial(score_shaped, self.scorer, self.cfg), f"rollout {rollout_id}")
+        out = self._call(ctx, RolloutDataSource(data, self.buffer, rollout_id), False, "rollout")
+        samples = [s for group in out.groups for s in group]
         self.scorer.post_process(samples)
+        metrics = dict(out.metrics)
         if r.overlong_buffer_len is not None:
             metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
                 overlong_penalty(s.response_length, r.max_response_len, r.overlong_buffer_len,
                                  r.overlong_penalty_factor) for s in samples)
         metrics.update(rollout_metrics(samples))
         health, metrics["warnings"] = self.health.after_rollout(rollout_id, samples)
-        metrics["warnings"] = warnings + metrics["warnings"]
+        metrics["warnings"] = out.warnings + metrics["warnings"]
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
-        return to_train_batch(samples, group_size(result.kept, self.cfg), r.temperature), metrics
+        return to_train_batch(samples, self._group_size(out.groups), r.temperature), metrics
 
-    def _partial_metrics(self, samples: list[Sample], continued: int) -> dict[str, float]:
-        metrics = {"rollout/groups_continued": float(continued), "rollout/buffer_groups": float(len(self.buffer)),
-                   "rollout/multi_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples))}
-        if self.cfg.rollout.mask_offpolicy_partial:
-            metrics["rollout/offpolicy_tokens_masked"] = float(sum(mask_stale_spans(s) for s in samples))
-        return metrics
+    def _context(self, rollout_id: int, evaluation: bool, params: SamplingParams, seed: int, score,
+                 what: str) -> RolloutContext:
+        return RolloutContext(cfg=self.cfg, tokenizer=self.tokenizer, rollout_id=rollout_id, evaluation=evaluation,
+                              driver=self.driver, params=params, seed=seed, score=score, schedule=self.schedule,
+                              keep=self.keep, buffer=self.buffer, what=what)
 
-    def _check_exhausted(self, result: DriverResult, rollout_id: int) -> list[str]:
-        r = self.cfg.rollout
-        if not result.exhausted:
-            return []
-        text = (f"rollout {rollout_id}: the epoch's prompts ran out with {len(result.kept)} of "
-                f"rollout.prompts_per_rollout={r.prompts_per_rollout} groups passing rollout.dynamic_filter "
-                f"'{r.dynamic_filter}' ({int(result.metrics['rollout/groups_started'])} started)")
-        if not result.kept or r.on_data_exhausted == "fail":
-            raise DataExhaustedError(text + ("; nothing to train on" if not result.kept else
-                                             "; rollout.on_data_exhausted is 'fail'"))
-        return [text + "; training on those (rollout.on_data_exhausted: train_on_passed)"]
+    def _call(self, ctx: RolloutContext, data_source, evaluation: bool, metric_prefix: str) -> RolloutOutput:
+        """The rollout function (the config's; the built-in one when there is none, or for an eval the
+        config's does not take)."""
+        fn, spec = self.rollout_fn, self.cfg.rollout.custom_rollout_fn
+        if fn is None or (evaluation and not takes_evaluation(fn)):
+            fn, spec = builtin_rollout, "built-in"
+        before = self.fleet.prefill_counters()
+        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation))
+        out.metrics.update(prefix_cache_metrics(before, self.fleet.prefill_counters(), metric_prefix))
+        return out
+
+    def _group_size(self, groups: list[list[Sample]]) -> int:
+        size = group_size(groups, self.cfg)
+        total, batch = size * len(groups), self.cfg.global_batch_size
+        if self.rollout_fn is not None and total % batch:
+            raise RolloutFnError(f"rollout.custom_rollout_fn '{self.cfg.rollout.custom_rollout_fn}' returned {total} "
+                                 f"samples ({len(groups)} groups of {size}); training takes a multiple of "
+                                 f"train.global_batch_size={batch}")
+        return size
 
     def eval(self, rollout_id: int) -> dict:
         """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed)."""
         metrics: dict = {"warnings": []}
         start = time.perf_counter()
         for k, eval_set in enumerate(self.eval_sets):
-            name, n = eval_set.cfg.name, eval_set.cfg.n_samples_per_prompt
-            groups = eval_set.groups()
-            schedule = Schedule(need=len(groups), over_sampling_groups=len(groups),
-                                max_concurrent_groups=self.cfg.rollout.max_concurrent_groups,
-                                waves=self.cfg.deterministic)
-            self.driver.run(_tagged(iter(groups), rollout_id), schedule, eval_set.params,
-                            self._seed(rollout_id, k + 1), eval_set.scorer.score_group, keep_all,
-                            f"eval {name} at rollout {rollout_id}", evaluation=True)
-            samples = [s for group in groups for s in group]
+            name = eval_set.cfg.name
+            ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
+                                eval_set.scorer.score_group, f"eval {name} at rollout {rollout_id}")
+            out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
+            samples = [s for group in out.groups for s in group]
+            n = len(out.groups[0])
+            metrics.update({key if key.startswith(f"eval/{name}/") else f"eval/{name}/{key}": value
+                            for key, value in out.metrics.items()})
             score = metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
             metrics.update(sample_metrics(samples, f"eval/{name}"))
@@ -337,14 +313,14 @@ class RolloutManager:
     # ------------------------------------------------------------ state and memory
     def save_state(self, ckpt_dir: str) -> None:
         (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self._require_data().state_dict()))
-        if self.cfg.rollout.partial_rollout:
+        if self.cfg.rollout.partial_rollout or self.rollout_fn is not None:  # groups handed back wait there
             (Path(ckpt_dir) / BUFFER_STATE).write_text(json.dumps(self.buffer.state_dict()))
 
     def load_state(self, ckpt_dir: str) -> dict:
         state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
         self._require_data().load_state_dict(state)
         buffer = Path(ckpt_dir) / BUFFER_STATE
-        if self.cfg.rollout.partial_rollout and buffer.is_file():
+        if buffer.is_file():
             self.buffer.load_state_dict(json.loads(buffer.read_text()))
         return state
 
