@@ -113,6 +113,18 @@ class GenerateContext:
         sample.add_reply(gen.ids, gen.logprobs, gen.text, gen.finish_reason, gen.weight_version)
         return gen
 
+    def chat_session(self, sample: Sample, sampling_params: dict, *, tools: list[dict] | None = None,
+                     tool_parser="hermes", chat_template: str | None = None):
+        """An OpenAI-compatible chat endpoint for ``sample``'s agent (``async with ... as session``, then
+        ``base_url=session.base_url``): every turn is recorded in the sample with the engine's exact tokens
+        (tether/rollout/chat_session.py). ``tool_parser``: "hermes", a module:fn / file.py:fn spec, or a
+        callable from reply text to (content, [{"name", "arguments"}]); ``chat_template`` overrides the
+        tokenizer's."""
+        from tether.rollout.chat_session import ChatSession
+
+        return ChatSession(self, sample, sampling_params, tools=tools, tool_parser=tool_parser,
+                           chat_template=chat_template)
+
     def insert(self, sample: Sample, content: str | list[int]) -> list[int]:
         """Append inserted tokens (text is tokenized without special tokens): in the input of later turns,
         not trained on. Returns their ids."""

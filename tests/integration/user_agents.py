@@ -1,0 +1,48 @@
+"""Agents over the OpenAI client, run as generate functions through chat sessions (tests)."""
+
+import json
+
+import openai
+
+# Renders exactly what the direct path (user_generate.two_turns) builds: the prompt as it is, the
+# model's text, then each tool answer between angle brackets.
+TEMPLATE = ("{% for m in messages %}"
+            "{% if m.role == 'assistant' %}{{ m.content or '' }}"
+            "{% for c in m.tool_calls or [] %}{{ c.function.arguments.text }}{% endfor %}"
+            "{% elif m.role == 'tool' %}<{{ m.content }}>"
+            "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+# Renders the model's earlier text behind a "~": the conversation no longer extends its tokens.
+REWRITING = TEMPLATE.replace("{{ c.function.arguments.text }}", "~{{ c.function.arguments.text }}")
+ECHO = {"type": "function", "function": {"name": "echo", "description": "Answers 7.",
+                                         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}
+
+
+def every_reply_calls_echo(text):
+    return "", [{"name": "echo", "arguments": {"text": text}}]
+
+
+async def _agent(client: openai.AsyncOpenAI, prompt: str) -> None:
+    """Up to 3 tokens, the tool's answer, then the rest: an ordinary OpenAI tool loop."""
+    messages = [{"role": "user", "content": prompt}]
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ECHO], max_tokens=3)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and message.tool_calls[0].function.name == "echo"
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "7"})
+    await client.chat.completions.create(model="policy", messages=messages, tools=[ECHO])
+
+
+async def echo_agent(ctx, sample, sampling_params):
+    async with ctx.chat_session(sample, sampling_params, tool_parser=every_reply_calls_echo,
+                                chat_template=TEMPLATE) as session:
+        await _agent(openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0), sample.prompt)
+    return sample
+
+
+async def rewriting_agent(ctx, sample, sampling_params):
+    async with ctx.chat_session(sample, sampling_params, tool_parser=every_reply_calls_echo,
+                                chat_template=REWRITING) as session:
+        await _agent(openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0), sample.prompt)
+    return sample

@@ -1,0 +1,102 @@
+"""The HTTP side of chat sessions: an OpenAI-compatible server in the rollout's process.
+
+    POST /sessions/<id>/v1/chat/completions     GET /sessions/<id>/v1/models
+
+One server per process, started on first use on a free loopback port (uvicorn in a thread). A
+session registers itself for the life of its ``async with``; a request is handed to the session's
+own event loop (the rollout's), so the engine calls, seeds and aborts are the rollout's, whatever
+thread or process the agent's client runs in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+
+from tether.engine.server import free_port
+from tether.rollout.chat_session import ChatRequestError, ChatSession, SessionAborted
+
+
+class ChatServer:
+    _shared: ChatServer | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.sessions: dict[str, ChatSession] = {}
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(self._app(), host=host, port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="chat-sessions-http", daemon=True)
+
+    @classmethod
+    def shared(cls) -> ChatServer:
+        """This process's server, started on first use."""
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls().start()
+            return cls._shared
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def add(self, session: ChatSession) -> None:
+        self.sessions[session.id] = session
+
+    def remove(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def start(self, timeout_s: float = 30.0) -> ChatServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"chat session server did not start on {self.url} within {timeout_s:.0f}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def _session(self, session_id: str) -> ChatSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise HTTPException(status_code=404, detail=f"no open chat session {session_id!r} (sessions live for "
+                                                        "the generate function's `async with ctx.chat_session(...)`)")
+        return session
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="tether chat sessions")
+
+        @app.get("/sessions/{session_id}/v1/models")
+        def models(session_id: str) -> dict:
+            self._session(session_id)
+            return {"object": "list", "data": [{"id": "tether", "object": "model", "owned_by": "tether"}]}
+
+        @app.post("/sessions/{session_id}/v1/chat/completions")
+        async def chat(session_id: str, request: Request) -> dict:
+            session = self._session(session_id)
+            try:
+                body = await request.json()
+            except ValueError as err:
+                raise HTTPException(status_code=400, detail=f"request body is not JSON: {err}") from None
+            if not isinstance(body, dict):
+                raise HTTPException(status_code=400, detail="request body must be a JSON object")
+            if body.get("stream"):
+                raise HTTPException(status_code=400, detail="stream: true is not supported by chat sessions")
+            try:
+                # The turn runs on the rollout's loop: its HTTP client, seeds and aborts live there.
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.complete(body), session.loop))
+            except ChatRequestError as err:
+                raise HTTPException(status_code=400, detail=str(err)) from None
+            except SessionAborted as err:  # 410: OpenAI clients do not retry it
+                raise HTTPException(status_code=410, detail=str(err)) from None
+            except Exception as err:  # the session keeps the error and raises it in the generate function
+                raise HTTPException(status_code=500, detail=f"{type(err).__name__}: {err}") from None
+
+        return app
