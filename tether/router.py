@@ -139,6 +139,15 @@ class Router:
             out.append(reply.json())
         return out
 
+    def query(self, path: str) -> list[dict]:
+        """GET from every worker (load and cache counters)."""
+        out = []
+        for worker in self.workers:
+            reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)
+            reply.raise_for_status()
+            out.append(reply.json())
+        return out
+
     def abort_all(self) -> int:
         return sum(r.get("aborted", 0) for r in self.broadcast("/abort_request", {"abort_all": True}))
 

@@ -150,3 +150,24 @@ def test_an_abort_reaches_a_multi_turn_function(engine, tokenizer):
     assert len(result.unfinished) == 3 and result.metrics["rollout/groups_aborted"] == 3
     for s in (s for g in result.unfinished for s in g):
         assert s.status == "aborted" and s.response_length < 50 and s.check_aligned() is None
+
+
+def test_a_second_turn_reuses_the_first_through_the_prefix_cache(tiny_model_dir, tokenizer):
+    from tether.engine.core import EngineCore
+    from tether.engine.embedded import EmbeddedEngine
+    from tether.engine.server import EngineServer
+    from tether.rollout.fleet import prefix_cache_metrics
+
+    core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), tokenizer, prefix_cache_tokens=4096)
+    server = EngineServer(core).start()
+    try:
+        fleet = EngineFleet([server.url], timeout_s=60)
+        before = fleet.prefill_counters()
+        result = run(server, custom("long_two_turns", tokenizer), groups(2), max_new_tokens=30)
+        metrics = prefix_cache_metrics(before, fleet.prefill_counters(), "rollout")
+    finally:
+        server.stop()
+    assert all(s.span_lengths[:2] == [20, 3] for g in result.kept for s in g)
+    # Each sample's second prompt (3 + 20 + 3 tokens) finds its first 16 in the cache: 6 x 16 of the
+    # 2 x 3 (shared within each group's batch) + 6 x 26 prompt tokens prefilled.
+    assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(6 * 16 / (6 * 3 + 6 * 26))

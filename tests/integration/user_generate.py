@@ -57,3 +57,11 @@ def sync_single_turn(ctx, sample, sampling_params):
     sample.add_generated([5, 6], [-1.0, -1.0], "ab", 0)
     sample.finish_reason = "stop"
     return sample
+
+
+async def long_two_turns(ctx, sample, sampling_params):
+    """20 policy tokens, an inserted answer, then more: the second turn's prompt holds a whole KV block."""
+    await ctx.generate_into(sample, {**sampling_params, "max_new_tokens": 20, "ignore_eos": True})
+    ctx.insert(sample, "<7>")
+    await ctx.generate_into(sample, sampling_params)
+    return sample

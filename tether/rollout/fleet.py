@@ -102,3 +102,27 @@ class EngineFleet:
 
     def health(self) -> dict[str, bool]:
         return self.router.check_health()
+
+    def prefill_counters(self) -> dict[str, float]:
+        """Prompt tokens the engines prefilled so far, summed: computed, taken from the cross-request prefix
+        cache, and shared within a batch (from /get_load; engines that do not report them count 0)."""
+        totals = dict.fromkeys(PREFILL_COUNTERS, 0.0)
+        for load in self.router.query("/get_load"):
+            for key in PREFILL_COUNTERS:
+                totals[key] += float(load.get(key, 0))
+        return totals
+
+
+PREFILL_COUNTERS = ("prefill_tokens", "prefill_tokens_cached", "prefill_tokens_shared")
+
+
+def prefix_cache_metrics(before: dict[str, float], after: dict[str, float], prefix: str) -> dict[str, float]:
+    """The share of prompt tokens a rollout's requests found in the engines' prefix cache (a later turn
+    reusing an earlier one's KV), and the share computed once for a whole group within a batch."""
+    delta = {k: after[k] - before[k] for k in PREFILL_COUNTERS}
+    total = sum(delta.values())
+    if total <= 0:
+        return {}
+    return {f"{prefix}/prefix_cache_hit_rate": delta["prefill_tokens_cached"] / total,
+            f"{prefix}/prefill_shared_frac": delta["prefill_tokens_shared"] / total,
+            f"{prefix}/prefill_tokens": delta["prefill_tokens"]}
