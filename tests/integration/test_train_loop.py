@@ -236,20 +236,34 @@ def test_a_remote_reward_model_scores_the_rollouts(ray_session, tiny_model_dir, 
 
 
 def test_a_multi_turn_generate_function_in_a_run(ray_session, tiny_model_dir, addition_data, tmp_path):
-    """rollout.custom_generate_fn: two policy turns around an inserted tool answer. The inserted tokens
-    are dumped with loss mask 0 and log-prob 0, and the engine/trainer mismatch, measured on policy
-    tokens only, stays at rounding (the trainer sees the exact tokens every turn conditioned on)."""
-    user = Path(__file__).parent / "user_generate.py"
+    """rollout.custom_generate_fn: two policy turns around the calculator's answer, driven by a custom
+    rollout function (which hands half its groups back). The inserted tokens are dumped with loss mask 0
+    and log-prob 0, and the engine/trainer mismatch, measured on policy tokens only, stays at rounding
+    (the trainer sees the exact tokens every turn conditioned on). That masked tokens add nothing to the
+    gradient: tests/unit/test_loss_mask.py."""
+    here = Path(__file__).parent
     raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", checkpoint={"save_interval": None},
-                      rollout={"num_rollout": 2, "max_response_len": 10, "custom_generate_fn": f"{user}:two_turns"},
+                      rollout={"num_rollout": 2, "max_response_len": 10,
+                               "custom_generate_fn": f"{here / 'user_generate.py'}:calculator_turns",
+                               "custom_rollout_fn": f"{here / 'user_rollout.py'}:best_of_two"},
                       eval={"interval": 1})
     train(config_from_dict(raw))
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")
     for k, row in enumerate(r for r in rows if "train/loss" in r):
         assert row["mismatch/logprob_abs_diff_max"] < 1e-4, row
+        assert row["rollout/my_metric"] == 1.5 and row["rollout/sample/tool_calls_mean"] == 1.0
+        assert 0.0 <= row["rollout/prefix_cache_hit_rate"] <= 1.0
         dumped = read_rows(tmp_path / "run" / "rollouts" / f"rollout_{k:06d}.jsonl")
         for d in dumped:
-            mask, lps = d["loss_mask"], d["response_logprobs"]
-            assert 0 in mask and len(mask) == d["response_length"] and "<7>" in d["response_text"], d
+            mask, lps, ids = d["loss_mask"], d["response_logprobs"], d["response_ids"]
+            answer = f"<{eval(d['prompt'].rstrip('='))}>"  # noqa: S307 - the test's own "a+b=" prompts
+            inserted = [t for t, m in zip(ids, mask) if m == 0]
+            assert inserted == tokenizer_ids(tiny_model_dir, answer) and answer in d["response_text"], d
             assert all(lp == 0.0 for m, lp in zip(mask, lps) if m == 0)
-    assert "eval/add/score" in rows[-1]  # eval ran through the same function
+    assert "eval/add/score" in rows[-1] and rows[-1]["eval/add/my_eval_metric"] == 2.0  # the function's eval
+
+
+def tokenizer_ids(model_dir, text: str) -> list[int]:
+    from tether.trainer.model import load_tokenizer
+
+    return load_tokenizer(str(model_dir)).encode(text, add_special_tokens=False)

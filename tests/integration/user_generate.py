@@ -65,3 +65,17 @@ async def long_two_turns(ctx, sample, sampling_params):
     ctx.insert(sample, "<7>")
     await ctx.generate_into(sample, sampling_params)
     return sample
+
+
+async def calculator_turns(ctx, sample, sampling_params):
+    """Up to 3 policy tokens, then the calculator's value of the prompt ("3+4=" -> "<7>"), then the rest."""
+    from tether.tools import Calculator
+
+    first = await ctx.generate_into(sample, {**sampling_params, "max_new_tokens": 3 + sample.response_length})
+    if first.aborted:
+        return sample
+    result = await Calculator()(sample.prompt.rstrip("="))
+    ctx.insert(sample, f"<{result.output}>")
+    sample.metrics["tool_calls"] = 1.0
+    await ctx.generate_into(sample, sampling_params)
+    return sample
