@@ -147,6 +147,8 @@ class ChatSession:
 
     async def __aexit__(self, kind, err, tb) -> bool:
         self._server.remove(self.id)
+        # The whole response as its tokens spell it (a turn's own text has its stop string cut out).
+        self.sample.response_text = self.ctx.tokenizer.decode(self.sample.response_ids, skip_special_tokens=True)
         self.sample.metrics.update(chat_turns=float(self.turns), turns_not_extending=float(self.breaks),
                                    tool_calls=float(self.tool_calls))
         if self.error is not None and err is not None and err is not self.error:
