@@ -21,11 +21,19 @@ from tether.trainer.group import TrainerGroup
 from tether.trainer.model import load_tokenizer
 
 
-def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) per row; errors name the file, the line and the field.
+def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> list[tuple]:
+    """One entry per row; errors name the file, the line and the field.
+
+    A row's response is a string (all of it trained on), or a list of segments
+    ``[{"text": "<calc>3*4</calc>"}, {"text": "<result>12</result>", "train": false}, {"text": "12"}]``:
+    each segment is encoded on its own (as a multi-turn rollout produces them), and segments with
+    ``"train": false`` (a tool's output, another speaker's turn) are input only, never a target. The
+    eos at the end is always a target. An entry is ``(prompt ids, response ids + eos)``, or
+    ``(prompt ids, response ids + eos, loss mask)`` when some segment is not trained on.
 
     Prompts are formatted like RL prompts (data.prompt_template, chat template, response prefix).
-    ``texts``, when given, receives (where, "prompt" | "response", text) of every row.
+    ``texts``, when given, receives (where, "prompt" | "response", text) of every row (a segmented
+    response as its segments joined).
     """
     s, d = cfg.sft, cfg.data
     fmt = PromptFormat.from_config(d)
@@ -38,28 +46,70 @@ def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> li
     for _, where, obj in read_rows(path):
         prompt = fill_template(fmt, get_prompt(obj, where, s.prompt_key, d.apply_chat_template), obj, where,
                                s.prompt_key)
-        response = obj.get(s.response_key)
-        if not isinstance(response, str):
-            raise DatasetError(f"{where}: field '{s.response_key}' must be a string, got {type(response).__name__}")
+        segments = response_segments(obj.get(s.response_key), where, s.response_key)
         text = render_prompt(tokenizer, prompt, fmt)
         if texts is not None:
-            texts += [(where, "prompt", text), (where, "response", response)]
+            texts += [(where, "prompt", text), (where, "response", "".join(t for t, _ in segments))]
+        prompt_ids, response_ids, mask = encode_text(tokenizer, text), [], []
+        for segment, train in segments:
+            ids = encode_text(tokenizer, segment)
+            response_ids += ids
+            mask += [int(train)] * len(ids)
         # The eos is a target too: the model must learn where to stop.
-        prompt_ids, response_ids = encode_text(tokenizer, text), encode_text(tokenizer, response) + [tokenizer.eos_token_id]
-        rows.append((prompt_ids, response_ids))
+        response_ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+        rows.append((prompt_ids, response_ids) if all(mask) else (prompt_ids, response_ids, mask))
     if not rows:
         raise DatasetError(f"{path}: no rows")
     return rows
 
 
+SEGMENT_KEYS = ("text", "train")
+
+
+def response_segments(response, where: str, key: str) -> list[tuple[str, bool]]:
+    """(text, trained on) of each part of an SFT row's response: a string, or a list of segments
+    ``{"text": str, "train": bool}`` (``train`` defaults to true; null counts as not given, as Parquet
+    fills in a key that only other segments have). Errors name the row and the segment's field."""
+    if isinstance(response, str):
+        return [(response, True)]
+    if not isinstance(response, list):
+        raise DatasetError(f"{where}: field '{key}' must be a string or a list of segments "
+                           f'({{"text": ..., "train": false}}), got {type(response).__name__}')
+    if not response:
+        raise DatasetError(f"{where}: field '{key}' is an empty list of segments")
+    out = []
+    for i, seg in enumerate(response):
+        name = f"{key}[{i}]"
+        if not isinstance(seg, dict):
+            raise DatasetError(f"{where}: field '{name}' must be an object "
+                               f'{{"text": str, "train": bool}}, got {type(seg).__name__}')
+        unknown = sorted(set(seg) - set(SEGMENT_KEYS))
+        if unknown:
+            raise DatasetError(f"{where}: field '{name}' has unknown key(s) {', '.join(map(repr, unknown))} "
+                               f"(a segment has {' and '.join(map(repr, SEGMENT_KEYS))})")
+        if not isinstance(seg.get("text"), str):
+            got = "nothing" if seg.get("text") is None else type(seg["text"]).__name__
+            raise DatasetError(f"{where}: field '{name}.text' must be a string, got {got}")
+        train = seg.get("train")
+        if train is not None and not isinstance(train, bool):
+            raise DatasetError(f"{where}: field '{name}.train' must be true or false, got {train!r}")
+        out.append((seg["text"], train is not False))
+    return out
+
+
 def batches(rows: list, batch_size: int, epochs: int, seed: int):
-    """Deterministic per-epoch shuffles; the last partial batch of an epoch is dropped."""
+    """Deterministic per-epoch shuffles; the last partial batch of an epoch is dropped. A batch has
+    loss masks when one of its rows has one (the others' are all 1); otherwise none, as before."""
     for epoch in range(epochs):
         order = np.random.default_rng([seed, epoch]).permutation(len(rows))
         for start in range(0, len(rows) - batch_size + 1, batch_size):
             chosen = [rows[i] for i in order[start : start + batch_size]]
-            yield TrainBatch(tokens=[p + r for p, r in chosen], prompt_lengths=[len(p) for p, _ in chosen],
-                             response_lengths=[len(r) for _, r in chosen])
+            masks = None
+            if any(len(row) > 2 for row in chosen):
+                masks = [list(row[2]) if len(row) > 2 else [1] * len(row[1]) for row in chosen]
+            yield TrainBatch(tokens=[row[0] + row[1] for row in chosen], prompt_lengths=[len(row[0]) for row in chosen],
+                             response_lengths=[len(row[1]) for row in chosen], loss_masks=masks)
 
 
 def sft(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:

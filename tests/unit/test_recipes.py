@@ -98,3 +98,119 @@ def test_suite_prepare_holds_out_the_eval_prompts(tmp_path):
 def test_suite_configs_load(config):
     cfg = load_config(RECIPES / "suite" / config, ["eval.datasets.0.path=elsewhere.jsonl"] if config == "grpo.yaml" else [])
     assert cfg.seed == 0
+
+
+# ---------------------------------------------------------------- calculator (multi-turn, a tool)
+
+
+def test_calculator_teacher_mix_and_held_out_eval(tmp_path):
+    prepare = load_module(RECIPES / "calculator" / "prepare.py")
+    reward = load_module(RECIPES / "calculator" / "reward.py")
+    counts = prepare.make_data(tmp_path, seed=0, num_train=2000, num_sft=2000, num_eval=50)
+    assert counts == {"train": 2000, "eval": 50, "sft": 2000}
+    train, held_out, sft = rows(tmp_path / "train.jsonl"), rows(tmp_path / "eval.jsonl"), rows(tmp_path / "sft.jsonl")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert not {r["prompt"] for r in sft} & {r["prompt"] for r in held_out}
+    labels = {r["prompt"]: r["label"] for r in train}
+    kinds = {k: [r for r in sft if r["kind"] == k] for k in prepare.TEACHER_MIX}
+    assert all(abs(len(kinds[k]) / len(sft) - p) < 0.04 for k, p in prepare.TEACHER_MIX.items())
+    for row in sft:
+        response = row["response"]
+        text = response if isinstance(response, str) else "".join(s["text"] for s in response)
+        right = reward.score(text, labels[row["prompt"]]) == 1.0
+        assert right == (row["kind"] == "right"), row  # skipping and misusing the tool are (nearly) always wrong
+        if not isinstance(response, str):  # the tool's output is never a target
+            assert [s.get("train", True) for s in response] == [True, False, True]
+    tokenizer = build_char_tokenizer(chat_template=False)
+    texts = [("sft.jsonl", "response", s["text"]) for r in sft[:200] if isinstance(r["response"], list)
+             for s in r["response"]] + [("eval.jsonl", "prompt", r["prompt"]) for r in held_out]
+    assert round_trip_problems(tokenizer, texts) == []
+
+
+@pytest.mark.parametrize("response, score", [
+    ("<calc>347*58</calc><result>20126</result>20126", 1.0), ("20126", 1.0), (" 20126 ", 1.0),
+    ("<calc>347*5</calc><result>1735</result>1735", 0.0), ("15000", 0.0),
+    ("<calc>347*58</calc><result>20126</result>", 0.0),  # no answer after the result
+    ("<calc>3*4</calc><result>12</result><calc>347*58</calc><result>20126</result>20126", 1.0),
+    ("20126<calc>1</calc><result>1</result>1", 0.0),  # the answer is what follows the last result
+])
+def test_calculator_reward_reads_the_answer_after_the_last_result(response, score):
+    reward = load_module(RECIPES / "calculator" / "reward.py")
+    assert reward.score(response, "20126") == score
+
+
+class ScriptedContext:
+    """A generate function's context whose engine replies are scripted (text, "eos" | "stop" | "length"):
+    the real generate_into / insert, no server."""
+
+    def __new__(cls, tokenizer, replies):
+        from tether.rollout.generate_fn import GenerateContext, Generation
+
+        class Scripted(GenerateContext):
+            async def generate(self, input_ids, sampling_params):
+                self.seen.append((list(input_ids), dict(sampling_params)))
+                text, how = replies.pop(0)
+                ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if how == "eos" else [])
+                cut = text[: text.find("</calc>")] if how == "stop" else text  # as the engine cuts a stop string
+                return Generation(ids, [-0.5] * len(ids), cut, "length" if how == "length" else "stop", 3)
+
+        ctx = Scripted(url="", client=None, tokenizer=tokenizer, cfg=None, rollout_id=0, evaluation=False, rid="r",
+                       seed=0, is_cut=lambda: False, timeout_s=1.0)
+        ctx.seen = []
+        return ctx
+
+
+def run_agent(replies, max_new_tokens=64):
+    import asyncio
+
+    agent = load_module(RECIPES / "calculator" / "agent.py")
+    tokenizer = build_char_tokenizer(chat_template=False)
+    sample = Sample(prompt_index=0, sample_index=0, prompt="347*58=", label="20126", metadata={},
+                    prompt_ids=tokenizer.encode("347*58=", add_special_tokens=False))
+    ctx = ScriptedContext(tokenizer, list(replies))
+    out = asyncio.run(agent.generate(ctx, sample, {"temperature": 1.0, "max_new_tokens": max_new_tokens}))
+    out.check_aligned()
+    return out, ctx, tokenizer
+
+
+def test_calculator_agent_inserts_the_result_masked():
+    sample, ctx, tok = run_agent([("<calc>347*58</calc>", "stop"), ("20126", "eos")])
+    assert sample.response_text == "<calc>347*58</calc><result>20126</result>20126"
+    assert sample.loss_mask == [1] * 19 + [0] * 22 + [1] * 6  # the answer and its eos are trained on
+    assert sample.metrics == {"tool_calls": 1.0, "turns": 2.0, "tool_errors": 0.0}
+    assert all(params["stop"] == ["</calc>"] for _, params in ctx.seen)
+    # The second turn continues from the prompt, the call and the inserted result, as tokens.
+    assert tok.decode(ctx.seen[1][0]) == "347*58=<calc>347*58</calc><result>20126</result>"
+    assert ctx.seen[1][1]["max_new_tokens"] == 64 - 19 - 22
+
+
+def test_calculator_agent_without_a_call_and_with_a_bad_one():
+    sample, _, _ = run_agent([("15000", "eos")])
+    assert sample.response_text == "15000" and sample.loss_mask is None
+    assert sample.metrics == {"tool_calls": 0.0, "turns": 1.0, "tool_errors": 0.0}
+    sample, _, _ = run_agent([("<calc>347*</calc>", "stop"), ("58</calc>", "stop"), ("1", "eos")], max_new_tokens=200)
+    assert sample.response_text == "<calc>347*</calc><result>error</result>58</calc><result>error</result>1"
+    assert sample.metrics == {"tool_calls": 2.0, "turns": 3.0, "tool_errors": 2.0}
+
+
+def test_calculator_agent_stops_at_the_budget_and_the_call_limit():
+    sample, _, _ = run_agent([("<calc>347*58</calc>", "stop"), ("2012", "length")], max_new_tokens=45)
+    assert sample.status == "truncated" and sample.metrics["tool_calls"] == 1.0
+    # A result that would not fit in the budget is not inserted: the response never outgrows it.
+    sample, _, _ = run_agent([("<calc>347*58</calc>", "stop")], max_new_tokens=30)
+    assert sample.status == "truncated" and sample.finish_reason == "length"
+    assert sample.response_text == "<calc>347*58</calc>" and sample.loss_mask is None
+    assert sample.metrics == {"tool_calls": 0.0, "turns": 1.0, "tool_errors": 0.0}
+    agent = load_module(RECIPES / "calculator" / "agent.py")
+    calls = [("<calc>1+1</calc>", "stop")] * (agent.MAX_CALLS + 1)
+    sample, _, _ = run_agent(calls, max_new_tokens=200)
+    assert sample.metrics == {"tool_calls": float(agent.MAX_CALLS), "turns": agent.MAX_CALLS + 1.0, "tool_errors": 0.0}
+    assert sample.response_text.endswith("<result>2</result><calc>1+1</calc>")
+
+
+@pytest.mark.parametrize("config", ["sft.yaml", "grpo.yaml"])
+def test_calculator_configs_load_with_the_same_greedy_multi_turn_eval(config):
+    cfg = load_config(RECIPES / "calculator" / config)
+    assert cfg.rollout.custom_generate_fn == f"{(RECIPES / 'calculator' / 'agent.py').resolve()}:generate"
+    [calc] = cfg.eval.datasets
+    assert calc.temperature == 0.0 and calc.reward == f"{(RECIPES / 'calculator' / 'reward.py').resolve()}:score"
