@@ -42,24 +42,18 @@ async def generate(ctx, sample, sampling_params, evaluation=False):
     while True:
         turn = await ctx.generate_into(sample, params)
         turns += 1
-        # The engine cuts a stop string out of `turn.text`; the ids keep it, so read the turn from them.
-        text = ctx.tokenizer.decode(turn.ids, skip_special_tokens=True)
+        text = ctx.tokenizer.decode(turn.ids, skip_special_tokens=True)  # the stop string included
         ended_call = turn.finish_reason == "stop" and turn.ids and turn.ids[-1] != eos and text.endswith(END)
         if not ended_call or calls == MAX_CALLS:
             break
         expression = expression_of(text)
         result = await CALCULATOR(expression) if expression is not None else None
         ok = result is not None and result.ok
-        ids = ctx.tokenizer.encode(f"{RESULT}{result.output if ok else ERROR}{END_RESULT}", add_special_tokens=False)
-        if sample.response_length + len(ids) > sampling_params["max_new_tokens"]:
-            # The budget covers inserted tokens too (ctx.insert does not check it): a result that does not
-            # fit ends the sample, so no response outgrows max_response_len or the model's positions.
-            sample.finish_reason, sample.status = "length", "truncated"
-            break
         calls, errors = calls + 1, errors + (not ok)
-        ctx.insert(sample, ids)
-    # Sample.response_text is the turns' `text` joined, stop strings cut out; make it the whole response
-    # as the tokens spell it (what the reward reads, and what the rollout dumps show).
-    sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        # Inserted tokens count against the response budget: a result that does not fit is cut there and
+        # the sample ends truncated (the next generate_into makes no call).
+        ctx.insert(sample, f"{RESULT}{result.output if ok else ERROR}{END_RESULT}")
+        if sample.status == "truncated":
+            break
     sample.metrics.update(tool_calls=float(calls), turns=float(turns), tool_errors=float(errors))
     return sample

@@ -9,7 +9,7 @@ import pytest
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from tether.rollout.chat_session import ChatRequestError, ChatSession, normalised_messages, parse_hermes
-from tether.rollout.generate_fn import Generation
+from tether.rollout.generate_fn import GenerateContext, Generation
 from tether.sample import Sample
 from tether.tiny import _BYTE_LEVEL, CHARS, SPECIAL_TOKENS
 
@@ -30,6 +30,9 @@ def merging_tokenizer():
 
 class FakeContext:
     """A generate-function context whose engine answers from a script (what each call returns)."""
+
+    insert = GenerateContext.insert
+    budget = None
 
     def __init__(self, tokenizer, replies: list[str]):
         self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []

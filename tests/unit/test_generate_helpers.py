@@ -60,3 +60,18 @@ def test_evaluation_is_passed_only_to_functions_that_take_it():
 
     assert [takes_evaluation(f) for f in (plain, named, keyword_only, kwargs, positional_only)] == \
         [False, True, True, True, False]
+
+
+def test_inserted_tokens_count_against_the_response_budget():
+    from tether.tiny import build_char_tokenizer
+    from tether.rollout.generate_fn import GenerateContext
+
+    tokenizer = build_char_tokenizer()
+    ctx = GenerateContext(url="", client=None, tokenizer=tokenizer, cfg=None, rollout_id=0, evaluation=False, rid="r",
+                          seed=0, is_cut=lambda: False, timeout_s=1.0, budget=6)
+    s = sample()
+    s.add_generated([7, 8], [-0.5, -1.0], "ab", weight_version=0)
+    assert ctx.insert(s, "<x>") == tokenizer.encode("<x>") and s.status == "pending"
+    assert ctx.insert(s, "<yy>") == tokenizer.encode("<") and s.response_text == "ab<x><"  # cut at the budget
+    assert s.response_length == 6 and s.status == "truncated" and s.finish_reason == "length"
+    assert ctx.insert(s, "z") == [] and s.response_length == 6

@@ -143,7 +143,7 @@ class ScriptedContext:
     """A generate function's context whose engine replies are scripted (text, "eos" | "stop" | "length"):
     the real generate_into / insert, no server."""
 
-    def __new__(cls, tokenizer, replies):
+    def __new__(cls, tokenizer, replies, budget=None):
         from tether.rollout.generate_fn import GenerateContext, Generation
 
         class Scripted(GenerateContext):
@@ -155,7 +155,7 @@ class ScriptedContext:
                 return Generation(ids, [-0.5] * len(ids), cut, "length" if how == "length" else "stop", 3)
 
         ctx = Scripted(url="", client=None, tokenizer=tokenizer, cfg=None, rollout_id=0, evaluation=False, rid="r",
-                       seed=0, is_cut=lambda: False, timeout_s=1.0)
+                       seed=0, is_cut=lambda: False, timeout_s=1.0, budget=budget)
         ctx.seen = []
         return ctx
 
@@ -167,7 +167,7 @@ def run_agent(replies, max_new_tokens=64):
     tokenizer = build_char_tokenizer(chat_template=False)
     sample = Sample(prompt_index=0, sample_index=0, prompt="347*58=", label="20126", metadata={},
                     prompt_ids=tokenizer.encode("347*58=", add_special_tokens=False))
-    ctx = ScriptedContext(tokenizer, list(replies))
+    ctx = ScriptedContext(tokenizer, list(replies), budget=max_new_tokens)  # as the rollout builds it
     out = asyncio.run(agent.generate(ctx, sample, {"temperature": 1.0, "max_new_tokens": max_new_tokens}))
     out.check_aligned()
     return out, ctx, tokenizer
@@ -196,11 +196,11 @@ def test_calculator_agent_without_a_call_and_with_a_bad_one():
 def test_calculator_agent_stops_at_the_budget_and_the_call_limit():
     sample, _, _ = run_agent([("<calc>347*58</calc>", "stop"), ("2012", "length")], max_new_tokens=45)
     assert sample.status == "truncated" and sample.metrics["tool_calls"] == 1.0
-    # A result that would not fit in the budget is not inserted: the response never outgrows it.
+    # A result that does not fit in the budget is cut there: the response never outgrows it.
     sample, _, _ = run_agent([("<calc>347*58</calc>", "stop")], max_new_tokens=30)
     assert sample.status == "truncated" and sample.finish_reason == "length"
-    assert sample.response_text == "<calc>347*58</calc>" and sample.loss_mask is None
-    assert sample.metrics == {"tool_calls": 0.0, "turns": 1.0, "tool_errors": 0.0}
+    assert sample.response_text == "<calc>347*58</calc><result>201" and sample.loss_mask == [1] * 19 + [0] * 11
+    assert sample.metrics == {"tool_calls": 1.0, "turns": 1.0, "tool_errors": 0.0}
     agent = load_module(RECIPES / "calculator" / "agent.py")
     calls = [("<calc>1+1</calc>", "stop")] * (agent.MAX_CALLS + 1)
     sample, _, _ = run_agent(calls, max_new_tokens=200)
@@ -214,3 +214,27 @@ def test_calculator_configs_load_with_the_same_greedy_multi_turn_eval(config):
     assert cfg.rollout.custom_generate_fn == f"{(RECIPES / 'calculator' / 'agent.py').resolve()}:generate"
     [calc] = cfg.eval.datasets
     assert calc.temperature == 0.0 and calc.reward == f"{(RECIPES / 'calculator' / 'reward.py').resolve()}:score"
+
+
+@pytest.mark.parametrize("replies, budget", [
+    ([("<calc>347*58</calc>", "stop"), ("20126", "eos")], 64),
+    ([("15000", "eos")], 64),
+    ([("<calc>347*</calc>", "stop"), ("<calc>347*58</calc>", "stop"), ("20126", "eos")], 200),
+    ([("<calc>1+1</calc>", "stop")] * 4, 200),
+    ([("<calc>347*58</calc>", "stop")], 30),
+])
+def test_the_openai_client_agent_builds_the_samples_agent_py_does(replies, budget):
+    """openai_agent.py (an OpenAI tool loop through a chat session, over real HTTP) and agent.py give the
+    same tokens, loss mask and log-probs for the same engine replies."""
+    import asyncio
+
+    direct, _, tokenizer = run_agent(list(replies), max_new_tokens=budget)
+    agent = load_module(RECIPES / "calculator" / "openai_agent.py")
+    sample = Sample(prompt_index=0, sample_index=0, prompt="347*58=", label="20126", metadata={},
+                    prompt_ids=tokenizer.encode("347*58=", add_special_tokens=False))
+    ctx = ScriptedContext(tokenizer, list(replies), budget=budget)
+    out = asyncio.run(agent.generate(ctx, sample, {"temperature": 1.0, "max_new_tokens": budget}))
+    assert (out.prompt_ids, out.response_ids, out.loss_mask) == (direct.prompt_ids, direct.response_ids, direct.loss_mask)
+    assert (out.response_logprobs, out.response_text, out.status) == (direct.response_logprobs, direct.response_text,
+                                                                      direct.status)
+    assert out.metrics["turns_not_extending"] == 0.0

@@ -202,7 +202,7 @@ class ChatSession:
             return False
         new = text[len(before):]
         if new:
-            s.add_inserted(tokenizer.encode(new, add_special_tokens=False), new)
+            self.ctx.insert(s, new)  # within the response budget
         return True
 
     def _sampling(self, body: dict) -> dict:

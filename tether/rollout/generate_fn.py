@@ -78,10 +78,13 @@ class GenerateContext:
     """What a generate function gets besides its sample (one per sample and call)."""
 
     def __init__(self, *, url: str, client: httpx.AsyncClient, tokenizer, cfg: TetherConfig | None, rollout_id: int,
-                 evaluation: bool, rid: str, seed: int, is_cut: Callable[[], bool], timeout_s: float):
+                 evaluation: bool, rid: str, seed: int, is_cut: Callable[[], bool], timeout_s: float,
+                 budget: int | None = None):
+        """``budget``: the response's max_new_tokens (what ``insert`` may fill); None: unbounded."""
         self.url, self.client, self.tokenizer, self.cfg = url, client, tokenizer, cfg
         self.rollout_id, self.evaluation = rollout_id, evaluation
         self.rid, self._seed, self._is_cut, self._timeout_s = rid, seed, is_cut, timeout_s
+        self.budget = budget
         self.calls = 0
 
     async def generate(self, input_ids: list[int], sampling_params: dict) -> Generation:
@@ -110,7 +113,10 @@ class GenerateContext:
             sample.finish_reason, sample.status = "length", "truncated"
             return Generation([], [], "", "length", sample.weight_versions[-1] if sample.weight_versions else -1)
         gen = await self.generate(sample.prompt_ids + sample.response_ids, {**sampling_params, "max_new_tokens": left})
-        sample.add_reply(gen.ids, gen.logprobs, gen.text, gen.finish_reason, gen.weight_version)
+        # The text as the tokens spell it: the engine cuts a matched stop string out of `gen.text`, but
+        # the tokens keep it, and the next turn follows it.
+        sample.add_reply(gen.ids, gen.logprobs, self.tokenizer.decode(gen.ids, skip_special_tokens=True),
+                         gen.finish_reason, gen.weight_version)
         return gen
 
     def chat_session(self, sample: Sample, sampling_params: dict, *, tools: list[dict] | None = None,
@@ -127,10 +133,17 @@ class GenerateContext:
 
     def insert(self, sample: Sample, content: str | list[int]) -> list[int]:
         """Append inserted tokens (text is tokenized without special tokens): in the input of later turns,
-        not trained on. Returns their ids."""
+        not trained on. They count against the response budget: what does not fit is cut off and the
+        sample ends truncated. Returns the ids inserted."""
         ids = self.tokenizer.encode(content, add_special_tokens=False) if isinstance(content, str) else list(content)
-        text = content if isinstance(content, str) else self.tokenizer.decode(ids)
+        left = len(ids) if self.budget is None else max(0, self.budget - sample.response_length)
+        cut = len(ids) > left
+        if cut:
+            ids = ids[:left]
+        text = content if isinstance(content, str) and not cut else self.tokenizer.decode(ids)
         sample.add_inserted(ids, text)
+        if cut:
+            sample.finish_reason, sample.status = "length", "truncated"
         return ids
 
 
@@ -191,7 +204,7 @@ class CustomGenerate:
             return [sample]
         ctx = GenerateContext(url=url, client=client, tokenizer=self.tokenizer, cfg=self.cfg,
                               rollout_id=sample.rollout_id, evaluation=evaluation, rid=rid, seed=seed,
-                              is_cut=is_cut, timeout_s=timeout_s)
+                              is_cut=is_cut, timeout_s=timeout_s, budget=int(sampling_params["max_new_tokens"]))
         kwargs = {"evaluation": evaluation} if self.takes_evaluation[spec] else {}
         try:
             result = self.fns[spec](ctx, sample, sampling_params, **kwargs)
