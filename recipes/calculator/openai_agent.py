@@ -61,6 +61,5 @@ async def solve(client: openai.AsyncOpenAI, question: str) -> str:
 
 async def generate(ctx, sample, sampling_params, evaluation=False):
     async with ctx.chat_session(sample, sampling_params, tool_parser=parse_calc, chat_template=TEMPLATE) as session:
-        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
-        await solve(client, sample.prompt)
+        await solve(session.openai_client(), sample.prompt)  # an openai.AsyncOpenAI at session.base_url
     return sample

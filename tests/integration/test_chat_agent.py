@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from tether.engine.sampling import SamplingParams
@@ -81,7 +80,7 @@ def test_an_abort_ends_the_agent_and_leaves_an_aborted_sample(engine, tokenizer)
                                   evaluation=False, rid="abort-test", seed=3, is_cut=lambda: cut["now"], timeout_s=30)
             sample = groups(tokenizer, 1)[0][0]
             async with ctx.chat_session(sample, {"max_new_tokens": 60, "temperature": 1.0}) as session:
-                chat = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+                chat = session.openai_client()
                 first = await chat.chat.completions.create(model="p", messages=[{"role": "user", "content": "1+1="}],
                                                            max_tokens=2)
                 cut["now"] = True

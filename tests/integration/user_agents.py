@@ -37,12 +37,14 @@ async def _agent(client: openai.AsyncOpenAI, prompt: str) -> None:
 async def echo_agent(ctx, sample, sampling_params):
     async with ctx.chat_session(sample, sampling_params, tool_parser=every_reply_calls_echo,
                                 chat_template=TEMPLATE) as session:
-        await _agent(openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0), sample.prompt)
+        await _agent(session.openai_client(), sample.prompt)
     return sample
 
 
 async def rewriting_agent(ctx, sample, sampling_params):
     async with ctx.chat_session(sample, sampling_params, tool_parser=every_reply_calls_echo,
                                 chat_template=REWRITING) as session:
-        await _agent(openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0), sample.prompt)
+        # Any OpenAI client given the session's base_url works (closed here: it is the agent's own).
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0) as client:
+            await _agent(client, sample.prompt)
     return sample
