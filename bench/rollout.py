@@ -72,7 +72,7 @@ def serve(path: str, port: int) -> None:
 
 
 def start_engines(path: Path, count: int) -> tuple[list[subprocess.Popen], list[str]]:
-    from tether.engine.server import free_port
+    from tether.http_server import free_port
 
     procs, urls = [], []
     for _ in range(count):

@@ -12,15 +12,12 @@ pool and waits on its request's future, so concurrent clients batch together in 
 from __future__ import annotations
 
 import base64
-import socket
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from safetensors.torch import load as load_safetensors
 
@@ -31,6 +28,7 @@ from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, response,
 )
+from tether.http_server import ThreadedServer
 from tether.weight_sync.distributed import DTYPES, join_group, receive
 
 MAX_CONCURRENT_REQUESTS = 512
@@ -258,37 +256,13 @@ def _openai_finish(out) -> str:
     return {"length": "length", "abort": "abort"}.get(out.finish_reason, "stop")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class EngineServer:
+class EngineServer(ThreadedServer):
     """Runs the app with uvicorn in a background thread; ``url`` is where it listens."""
 
     def __init__(self, core: EngineCore, host: str = "127.0.0.1", port: int = 0, model_name: str = "tether-embedded"):
         self.core = core
-        self.host = host
-        self.port = port or free_port(host)
-        config = uvicorn.Config(build_app(core, model_name), host=host, port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="engine-http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> EngineServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"engine HTTP server did not start on {self.url} within {timeout_s:.0f}s")
-            time.sleep(0.02)
-        return self
+        super().__init__(build_app(core, model_name), host, port, "engine HTTP server")
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        super().stop()
         self.core.shutdown()

@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 
-from tether.engine.server import free_port
+from tether.http_server import ThreadedServer
 from tether.rollout.chat_session import ChatRequestError, ChatSession, SessionAborted
 
 
-class ChatServer:
+class ChatServer(ThreadedServer):
     _shared: ChatServer | None = None
     _lock = threading.Lock()
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.sessions: dict[str, ChatSession] = {}
-        self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(self._app(), host=host, port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="chat-sessions-http", daemon=True)
+        super().__init__(self._app(), host, port, "chat session server")
 
     @classmethod
     def shared(cls) -> ChatServer:
@@ -40,28 +35,11 @@ class ChatServer:
                 cls._shared = cls().start()
             return cls._shared
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def add(self, session: ChatSession) -> None:
         self.sessions[session.id] = session
 
     def remove(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
-
-    def start(self, timeout_s: float = 30.0) -> ChatServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"chat session server did not start on {self.url} within {timeout_s:.0f}s")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
 
     def _session(self, session_id: str) -> ChatSession:
         session = self.sessions.get(session_id)
