@@ -143,7 +143,10 @@ class Router:
         """GET from every worker (load and cache counters)."""
         out = []
         for worker in self.workers:
-            reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)
+            try:
+                reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)
+            except httpx.TransportError as err:
+                raise ConnectionError(f"lost the connection to {worker.url} asking for {path} ({err!r})") from None
             reply.raise_for_status()
             out.append(reply.json())
         return out

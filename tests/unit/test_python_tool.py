@@ -29,9 +29,19 @@ def processes():
         yield int(entry), int(fields[1]), int(fields[3])
 
 
+@pytest.fixture(autouse=True)
+def children_before():
+    """This process's children when the test starts (in a whole-suite run, Ray's and engines' are among
+    them): only children started since then count as left over."""
+    BEFORE[:] = [pid for pid, ppid, _ in processes() if ppid == os.getpid()]
+
+
+BEFORE: list[int] = []
+
+
 def leftovers(session: int | None = None) -> list[int]:
-    """Children of this test process, and members of `session` (the sandbox's), that still exist."""
-    return [pid for pid, ppid, sid in processes() if ppid == os.getpid() or sid == session]
+    """Children this test started, and members of `session` (the sandbox's), that still exist."""
+    return [pid for pid, ppid, sid in processes() if (ppid == os.getpid() and pid not in BEFORE) or sid == session]
 
 
 def test_schema():

@@ -246,7 +246,7 @@ class RolloutManager:
         if fn is None or (evaluation and not takes_evaluation(fn)):
             fn, spec = builtin_rollout, "built-in"
         before = self.fleet.prefill_counters()
-        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation))
+        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, builtin=builtin_rollout))
         out.metrics.update(prefix_cache_metrics(before, self.fleet.prefill_counters(), metric_prefix))
         return out
 

@@ -166,9 +166,11 @@ def load_rollout_fn(spec: str) -> Callable:
         raise RolloutFnLoadError(f"{FIELD}: {err}") from None
 
 
-async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_source, evaluation: bool) -> RolloutOutput:
+async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_source, evaluation: bool,
+                          builtin: Callable | None = None) -> RolloutOutput:
     """Call ``fn`` (sync or async) with an HTTP client in ``ctx``; check what it returns and score the
-    groups whose rewards it left unset."""
+    groups whose rewards it left unset. A user function's exception is wrapped to name it; ``builtin``'s
+    (tether's own rollout) pass as they are."""
     kwargs = {"evaluation": evaluation} if takes_evaluation(fn) else {}
     async with httpx.AsyncClient(timeout=ctx.driver.timeout_s) as client:
         ctx.client, ctx.loop = client, asyncio.get_running_loop()
@@ -182,6 +184,8 @@ async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_sou
         except (GenerateError, RolloutFnError):
             raise
         except Exception as err:
+            if fn is builtin:  # tether's own rollout: its errors say what failed already
+                raise
             raise RolloutFnError(f"{FIELD} '{spec}' raised {type(err).__name__}: {err}{_where(err)} "
                                  f"({ctx.what})") from err
         out = _checked(result, spec, ctx.what)
