@@ -169,6 +169,12 @@ def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch
     return total, count, worst
 
 
+def mismatch_metrics(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> dict[str, float]:
+    total, count, worst = logprob_mismatch(batch, indices, old)
+    total, count = all_reduce_sum([total, count])
+    return {"mismatch/logprob_abs_diff_mean": total / max(count, 1.0), "mismatch/logprob_abs_diff_max": all_reduce_max(worst)}
+
+
 def grad_norm(model: nn.Module, grad_clip: float) -> float:
     """The global grad norm, clipping the gradients to ``grad_clip`` (0: only measured)."""
     # clip_grad_norm_ reduces the norm over all shards; max_norm=inf only measures it.
@@ -183,13 +189,20 @@ def accumulate(metrics: dict[str, float], new: dict[str, float]) -> None:
 
 def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
                     advantages: dict[int, torch.Tensor] | None, old: dict[int, torch.Tensor] | None,
-                    ref: dict[int, torch.Tensor] | None, world: int) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches of one global batch (no optimizer step)."""
+                    ref: dict[int, torch.Tensor] | None, world: int,
+                    seen: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches of one global batch (no optimizer step).
+
+    ``old`` None: the old log-probs are this forward's, detached (the policy has not moved yet), and
+    ``seen``, when given, receives them per sample ([R] each), as ``response_logprobs`` would return."""
     metrics: dict[str, float] = {}
     # Entropy is logged even when it is not optimised: its collapse is the first thing to look at.
     entropy_mode = "grad" if s.loss_params.entropy_coef > 0 else "metric"
     for mb in micro_batches(batch, mine, s):
         logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode)
+        if seen is not None:
+            for (row, start), i in zip(mb.spans, mb.indices):
+                seen[i] = logprobs[row, start : start + batch.response_lengths[i]].detach().clone()
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=place(mb, batch, old) if old is not None else logprobs.detach(),
@@ -238,25 +251,28 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     steps = n // s.global_batch_size
     global_steps = [list(range(k * s.global_batch_size, (k + 1) * s.global_batch_size)) for k in range(steps)]
     assigned = [assign_ranks(batch, idx, s, rank, world) for idx in global_steps]
+    # With one optimizer step per rollout, the old log-probs are the training forward's own (detached):
+    # the policy has not moved before that step, and the passes are batched alike, so they are the same
+    # numbers a separate pass would compute. Only a KL penalty in the reward needs them before training.
+    separate_old = is_rl and (steps > 1 or s.advantage_params.kl_coef > 0)
+    seen: dict[int, torch.Tensor] | None = {} if is_rl and not separate_old else None
     if is_rl:
-        everything_mine = [i for mine in assigned for i in mine]
-        old = response_logprobs(model, batch, assigned, s)
+        old = response_logprobs(model, batch, assigned, s) if separate_old else None
         if ref_model is not None:
             ref = response_logprobs(ref_model, batch, assigned, s)
         values = critic.values(batch, assigned, s) if critic is not None else None
         advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
         out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
-        total, count, worst = logprob_mismatch(batch, everything_mine, old)
-        total, count = all_reduce_sum([total, count])
-        out["mismatch/logprob_abs_diff_mean"] = total / max(count, 1.0)
-        out["mismatch/logprob_abs_diff_max"] = all_reduce_max(worst)
+        out["train/separate_old_logprob_pass"] = float(separate_old)
     summed: dict[str, float] = {}
     warnings: list[str] = []
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
         trained = [batch.trained_tokens(i) for i in global_idx]
         counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
-        parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world)
+        parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world, seen)
+        if is_rl and k == 0:  # the trainer's log-probs before any update, against the engine's
+            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], old if old is not None else seen))
         if critic is not None and is_rl:
             parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
         keys = sorted(parts)
