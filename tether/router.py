@@ -139,14 +139,18 @@ class Router:
             out.append(reply.json())
         return out
 
-    def query(self, path: str) -> list[dict]:
-        """GET from every worker (load and cache counters)."""
+    def query(self, path: str, missing_ok: bool = False) -> list[dict]:
+        """GET from every worker (load and cache counters); ``missing_ok``: a worker answering 404 (a
+        backend without the endpoint) gives {}."""
         out = []
         for worker in self.workers:
             try:
                 reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)
             except httpx.TransportError as err:
                 raise ConnectionError(f"lost the connection to {worker.url} asking for {path} ({err!r})") from None
+            if missing_ok and reply.status_code == 404:
+                out.append({})
+                continue
             reply.raise_for_status()
             out.append(reply.json())
         return out

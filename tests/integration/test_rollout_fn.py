@@ -94,3 +94,17 @@ def test_bad_specs_and_settings_are_config_errors(tiny_model_dir, addition_data,
     raw["rollout"].update(custom_rollout_fn=f"{USER}:plain", partial_rollout=True)
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout is the built-in rollout's"):
         config_from_dict(raw)
+
+
+def test_an_engine_without_load_counters_gives_no_hit_rate():
+    from fastapi import FastAPI
+
+    from tether.http_server import ThreadedServer
+    from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
+
+    server = ThreadedServer(FastAPI(), "127.0.0.1", 0, "a server without /get_load").start()
+    try:
+        counters = EngineFleet([server.url], timeout_s=10).prefill_counters()
+    finally:
+        server.stop()
+    assert set(counters.values()) == {0.0} and prefix_cache_metrics(counters, counters, "rollout") == {}

@@ -105,9 +105,10 @@ class EngineFleet:
 
     def prefill_counters(self) -> dict[str, float]:
         """Prompt tokens the engines prefilled so far, summed: computed, taken from the cross-request prefix
-        cache, and shared within a batch (from /get_load; engines that do not report them count 0)."""
+        cache, and shared within a batch (from /get_load; an engine without that endpoint or those
+        fields counts 0, and the rollout then logs no hit rate)."""
         totals = dict.fromkeys(PREFILL_COUNTERS, 0.0)
-        for load in self.router.query("/get_load"):
+        for load in self.router.query("/get_load", missing_ok=True):
             for key in PREFILL_COUNTERS:
                 totals[key] += float(load.get(key, 0))
         return totals

@@ -22,7 +22,7 @@ from tether.rewards.loader import RewardLoadError, set_reward
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
 from tether.rollout.buffer import BUFFER_STATE, PartialBuffer
-from tether.rollout.builtin import DataExhaustedError, builtin_rollout  # noqa: F401 - DataExhaustedError re-exported
+from tether.rollout.builtin import builtin_rollout
 from tether.rollout.data_source import DatasetError, DataSource, load_prompt_rows, read_rows
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
@@ -246,7 +246,7 @@ class RolloutManager:
         if fn is None or (evaluation and not takes_evaluation(fn)):
             fn, spec = builtin_rollout, "built-in"
         before = self.fleet.prefill_counters()
-        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, builtin=builtin_rollout))
+        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, user_fn=fn is not builtin_rollout))
         out.metrics.update(prefix_cache_metrics(before, self.fleet.prefill_counters(), metric_prefix))
         return out
 

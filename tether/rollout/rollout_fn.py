@@ -167,10 +167,10 @@ def load_rollout_fn(spec: str) -> Callable:
 
 
 async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_source, evaluation: bool,
-                          builtin: Callable | None = None) -> RolloutOutput:
+                          user_fn: bool = True) -> RolloutOutput:
     """Call ``fn`` (sync or async) with an HTTP client in ``ctx``; check what it returns and score the
-    groups whose rewards it left unset. A user function's exception is wrapped to name it; ``builtin``'s
-    (tether's own rollout) pass as they are."""
+    groups whose rewards it left unset. A user function's exception is wrapped to name it; tether's own
+    rollout's (``user_fn`` False) pass as they are."""
     kwargs = {"evaluation": evaluation} if takes_evaluation(fn) else {}
     async with httpx.AsyncClient(timeout=ctx.driver.timeout_s) as client:
         ctx.client, ctx.loop = client, asyncio.get_running_loop()
@@ -184,7 +184,7 @@ async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_sou
         except (GenerateError, RolloutFnError):
             raise
         except Exception as err:
-            if fn is builtin:  # tether's own rollout: its errors say what failed already
+            if not user_fn:  # tether's own rollout: its errors say what failed already
                 raise
             raise RolloutFnError(f"{FIELD} '{spec}' raised {type(err).__name__}: {err}{_where(err)} "
                                  f"({ctx.what})") from err
