@@ -61,7 +61,7 @@ def serve(path: str, port: int) -> None:
     from tether.engine.core import start_engine_core
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.trainer.model import load_tokenizer
+    from tether.hf import load_tokenizer
 
     torch.set_num_threads(1)  # two engines on two cores, as colocated engines would share them
     core = start_engine_core(lambda: EmbeddedEngine(path), max_batch=512, max_batch_tokens=1 << 20)

@@ -22,7 +22,7 @@ import torch
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
 from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.trainer.model import load_model
+from tether.hf import load_model
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 
 

@@ -61,7 +61,7 @@ def engine(tiny_model_dir):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.trainer.model import load_tokenizer
+    from tether.hf import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

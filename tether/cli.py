@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tether.config import ConfigError, TetherConfig, check_inputs, dump_config, load_config
@@ -59,7 +60,16 @@ def _load(args: argparse.Namespace) -> TetherConfig:
     return cfg
 
 
+def _local_ray_auth(cfg: TetherConfig) -> None:
+    """A local Ray cluster gets token authentication (Ray's default for a new cluster), said explicitly:
+    Ray warns on every start while RAY_AUTH_MODE is unset. Ray reads the mode when it is imported, so
+    this runs first; a user's RAY_AUTH_MODE, or a cluster being joined, is left to Ray."""
+    if "ray" not in sys.modules and not (cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
+    _local_ray_auth(cfg)
     if args.command == "train":
         from tether.train import train
 

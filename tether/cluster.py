@@ -41,17 +41,18 @@ def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
     if ray.is_initialized():
         return
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    # Actors pin torch threads themselves; logical CPUs only need to cover the layout.
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        ray.init(address=address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=True)
         return
+    # A local cluster's workers inherit this process's environment. Without a runtime_env of the
+    # job's own, the workers Ray starts ahead of time can become actors (no fresh process each).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Actors pin torch threads themselves; logical CPUs only need to cover the layout.
     need = int(num_bundles * cfg.cpus_per_bundle) + 2  # + rollout manager and slack
     ray.init(
         num_cpus=cfg.ray_num_cpus or max(need, 4),
         num_gpus=None if cfg.gpus_per_bundle else 0,
         include_dashboard=False,
-        runtime_env=env,
         log_to_driver=True,
     )
 

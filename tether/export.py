@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tether.checkpoint import HF_CONFIG, META, find_latest, read_meta
-from tether.trainer.model import DTYPES
+from tether.hf import DTYPES
 
 
 def resolve_checkpoint(source: str | Path) -> Path:

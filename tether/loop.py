@@ -42,6 +42,13 @@ class Tracker(Protocol):
     def log(self, step: int, metrics: dict[str, float], *, total: int | None = None) -> None: ...
 
 
+class Startup(Protocol):
+    """Start-up phases timed as they finish (tether/tracking/startup.py)."""
+    def lap(self, name: str, detail: str = "") -> float: ...
+    def metrics(self) -> dict[str, float]: ...
+    def report(self) -> None: ...
+
+
 @dataclass
 class LoopPlan:
     start: int
@@ -88,18 +95,29 @@ def sync_weights(trainer: Trainer, rollout: Rollout, version: int, offload: bool
 
 
 def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, tracker: Tracker,
-             progress: Any = None) -> None:
-    """Rollouts plan.start .. plan.num_rollout - 1. Weights are pushed once before the first one."""
+             progress: Any = None, startup: Startup | None = None) -> None:
+    """Rollouts plan.start .. plan.num_rollout - 1. Weights are pushed once before the first one.
+    ``startup``: the run's start-up clock, completed with the first push and eval, then printed."""
     first = sync_weights(trainer, rollout, plan.start, plan.offload)
+    if startup is not None:
+        startup.lap("first weight push")
     if plan.start == 0:
         if plan.has_eval and plan.eval_interval is not None:
             # The baseline: how the starting policy scores (step 0, before any update). A resumed
             # run does not repeat it: its baseline is already in the metrics file.
             merge(first, rollout.eval(0))
+            if startup is not None:
+                startup.lap("eval at step 0")
         first["timing/weight_sync_s"] = first.pop("weight_sync/seconds", 0.0)
+        if startup is not None:
+            first.update(startup.metrics())
+            startup.report()
         tracker.log(0, first, total=plan.num_rollout)
-    elif plan.redo_eval and plan.eval_due(plan.start - 1):
-        tracker.log(plan.start, rollout.eval(plan.start), total=plan.num_rollout)
+    else:
+        if plan.redo_eval and plan.eval_due(plan.start - 1):
+            tracker.log(plan.start, rollout.eval(plan.start), total=plan.num_rollout)
+        if startup is not None:
+            startup.report()
     for rollout_id in range(plan.start, plan.num_rollout):
         t0 = time.perf_counter()
         batch_ref, metrics = rollout.generate(rollout_id)

@@ -18,7 +18,7 @@ from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_tex
 from tether.run_dir import claim
 from tether.train import make_tracker
 from tether.trainer.group import TrainerGroup
-from tether.trainer.model import load_tokenizer
+from tether.hf import load_tokenizer
 
 
 def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> list[tuple]:

@@ -17,6 +17,7 @@ from tether.trainer.actor import TRAINED_SAMPLES
 from tether.rollout.handle import RolloutHandle, create_engines
 from tether.rollout.replay import ReplayRollout, WithoutEngines
 from tether.tracking import Tracker
+from tether.tracking.startup import StartupClock
 from tether.trainer.group import TrainerGroup
 
 
@@ -77,17 +78,24 @@ def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | N
 def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
     """Run RL training as configured; returns the run summary. ``overwrite``: a fresh start may
     delete an earlier run's logs and checkpoints in its directories (else it refuses to start)."""
+    clock = StartupClock()
     load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
     placement = plan_placement(cfg.cluster)
+    clock.lap("ray")
+    # Trainer, engines and rollout manager start together (each imports torch and loads its part).
     trainer = TrainerGroup(cfg, placement)
     replay = cfg.debug.load_rollouts is not None  # saved rollouts stand in for the engines
     engines = [] if replay else create_engines(cfg, placement)
     rollout = ReplayRollout(cfg) if replay else RolloutHandle(cfg, engines)
     try:
+        trainer.start()
+        ready = {**getattr(rollout, "ready_s", {}), "trainer": clock.since_last()}
+        clock.lap("actors", ", ".join(f"{name} {s:.1f}s" for name, s in ready.items()))
         per_epoch = rollout.num_rollout_per_epoch()
         num_rollout = cfg.rollout.num_rollout or per_epoch * cfg.rollout.num_epoch
         samples = cfg.rollout.prompts_per_rollout * cfg.rollout.n_samples_per_prompt
         trainer.init(num_rollout * (samples // cfg.global_batch_size), cfg.algorithm.needs_ref_model, load_path)
+        clock.lap("trainer init")
         if load_path:
             rollout.load_state(load_path)
         if engines:
@@ -108,7 +116,8 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
             for warning in rollout.info["warnings"]:
                 tracker.warn(warning)
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
-            run_loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar)
+            run_loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar,
+                     startup=clock)
             if cfg.checkpoint.export_hf:
                 trainer.save_hf(str(Path(cfg.output_dir) / "hf"))
         return tracker.finish()

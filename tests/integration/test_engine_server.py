@@ -15,7 +15,7 @@ from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
 from tether.router import NoHealthyWorker, Router
-from tether.trainer.model import load_tokenizer
+from tether.hf import load_tokenizer
 
 pytestmark = pytest.mark.integration
 

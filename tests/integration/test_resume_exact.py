@@ -61,6 +61,10 @@ def tether_train(config: Path, crash_at: str | None = None, load: Path | None = 
     if proc.returncode != expected:
         what = f"meant to be killed at {crash_at}" if crash_at else "meant to finish"
         raise AssertionError(f"tether train ({what}) exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    # The local cluster's token authentication is set explicitly: Ray has nothing to warn about.
+    assert "Token authentication is enabled" not in proc.stdout
+    if not crash_at:  # the start-up breakdown, printed once before the first rollout
+        assert proc.stdout.count("[tether] ready in ") == 1, proc.stdout[-3000:]
     return proc.returncode
 
 

@@ -264,6 +264,6 @@ def test_a_multi_turn_generate_function_in_a_run(ray_session, tiny_model_dir, ad
 
 
 def tokenizer_ids(model_dir, text: str) -> list[int]:
-    from tether.trainer.model import load_tokenizer
+    from tether.hf import load_tokenizer
 
     return load_tokenizer(str(model_dir)).encode(text, add_special_tokens=False)

@@ -26,7 +26,7 @@ def tokenizer():
 def small_model(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 32, GQA 4/2 heads) in float32, eval mode: for engine/trainer checks."""
     from tether.tiny import build_tiny_model
-    from tether.trainer.model import load_model
+    from tether.hf import load_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("small_model"), build_char_tokenizer(), hidden_size=32,
                             num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_positions=256)

@@ -13,7 +13,7 @@ from tether.engine.generate import generate_batch
 from tether.engine.kernels import pack_linears
 from tether.engine.sampling import SamplingParams
 from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.trainer.model import load_model
+from tether.hf import load_model
 from tether.trainer.step import StepSettings, response_logprobs
 
 

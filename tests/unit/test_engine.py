@@ -15,7 +15,7 @@ from tether.engine.embedded import EmbeddedEngine, EngineError
 from tether.engine.generate import generate_batch, left_pad
 from tether.engine.sampling import SamplingParams, filter_logits, sample_next
 from tether.tiny import build_tiny_model
-from tether.trainer.model import load_model
+from tether.hf import load_model
 from tether.trainer.step import StepSettings, forward_logprobs, response_logprobs
 
 PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]

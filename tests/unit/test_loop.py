@@ -229,3 +229,34 @@ def test_save_due():
     assert [k for k in range(7) if plan.save_due(k)] == [1, 3, 5, 6]
     plan = _plan(num_rollout=1, num_rollout_per_epoch=5, save_interval=None)
     assert plan.save_due(0)
+
+
+class FakeStartup:
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def lap(self, name, detail=""):
+        self.calls.append(("startup.lap", name))
+        return 0.0
+
+    def metrics(self):
+        return {"startup/total_s": 1.0}
+
+    def report(self):
+        self.calls.append(("startup.report",))
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_startup_is_timed_through_the_first_push_and_eval_then_printed_once(start):
+    calls: list = []
+    tracker = FakeTracker(calls)
+    run_loop(_plan(start=start), FakeTrainer(calls), FakeRollout(calls), FakeCheckpointer(calls), tracker,
+             startup=FakeStartup(calls))
+    head = calls[:calls.index(("rollout.generate", start))]
+    if start == 0:
+        assert head == [("trainer.push_weights", 0), ("startup.lap", "first weight push"), ("rollout.eval", 0),
+                        ("startup.lap", "eval at step 0"), ("startup.report",), ("tracker.log", 0)]
+        assert tracker.logged[0][1]["startup/total_s"] == 1.0
+    else:  # a resumed run has no baseline eval to time
+        assert head == [("trainer.push_weights", start), ("startup.lap", "first weight push"), ("startup.report",)]
+    assert calls.count(("startup.report",)) == 1

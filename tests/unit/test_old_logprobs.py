@@ -8,7 +8,7 @@ import torch
 
 from tether.algorithms.advantages import AdvantageParams
 from tether.algorithms.aggregation import GlobalCounts
-from tether.trainer.model import load_model
+from tether.hf import load_model
 from tether.trainer.step import (assign_ranks, compute_advantages, logprob_mismatch, response_logprobs,
                                  run_global_step, train_on_batch)
 from tests.unit.test_loss_mask import batches, settings
@@ -65,3 +65,18 @@ def test_a_separate_pass_runs_when_the_policy_moves_first_or_a_kl_reward_needs_i
         ref = load_model(str(model_dir), "float32") if s.advantage_params.kl_coef else None
         metrics = train_on_batch(model, optimizer, scheduler, batch, s, 0, 1, ref_model=ref)
         assert metrics["train/separate_old_logprob_pass"] == 1.0 and metrics["mismatch/logprob_abs_diff_mean"] > 0
+
+
+def test_the_step_reports_where_its_time_went(model_dir):
+    """Per-phase seconds: a separate old pass and a reference pass appear only when they run."""
+    _, batch = batches()
+    model, optimizer = fresh(model_dir)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    merged = train_on_batch(model, optimizer, scheduler, batch, settings(), 0, 1)
+    assert {k for k in merged if k.startswith("timing/")} == {
+        "timing/train_advantages_s", "timing/train_forward_backward_s", "timing/train_optimizer_s"}
+    assert all(merged[k] > 0 for k in merged if k.startswith("timing/"))
+    model, optimizer = fresh(model_dir)
+    two_steps = train_on_batch(model, optimizer, scheduler, batch, settings(global_batch_size=4), 0, 1,
+                               ref_model=load_model(str(model_dir), "float32"))
+    assert two_steps["timing/train_old_logprob_s"] > 0 and two_steps["timing/train_ref_logprob_s"] > 0

@@ -15,7 +15,7 @@ from tether.engine.generate import GenerateOutput, generate_batch, make_generato
 from tether.engine.sampling import (SamplingParams, filter_logits, filter_logits_rows, filter_min_p,
                                     sample_next)
 from tether.tiny import build_tiny_model
-from tether.trainer.model import load_model
+from tether.hf import load_model
 
 PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]
 

@@ -13,7 +13,7 @@ import torch
 from tether.engine.base import KV_CACHE, WEIGHTS, Engine, GenerateRequest, check_tags
 from tether.engine.generate import GenerateOutput, generate_batch
 from tether.engine.kernels import drop_packed, onednn_available, pack_linears
-from tether.trainer.model import load_model, load_tokenizer
+from tether.hf import load_model, load_tokenizer
 
 
 class EngineError(RuntimeError):

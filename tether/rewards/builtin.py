@@ -11,8 +11,6 @@ import threading
 from collections import Counter
 from typing import Callable
 
-from math_verify import parse, verify
-
 from tether.sample import Sample
 
 # Seconds allowed for each math_verify parse/verify call on the main thread.
@@ -78,6 +76,8 @@ def _parse_candidates(text: str, timeout: int | None) -> list[list]:
     Wrapping in $...$ makes LaTeX such as \\frac{1}{2} or x+1 parse; the raw form
     covers inputs already delimited or plain numbers like "0.5".
     """
+    from math_verify import parse  # on first use: it pulls sympy and an ANTLR parser (~0.4 s of start-up)
+
     forms = [text] if text.startswith("$") else [f"${text}$", text]
     parsed = [parse(form, parsing_timeout=timeout) for form in forms]
     return [p for p in parsed if p]
@@ -96,6 +96,8 @@ def math_reward(sample: Sample) -> float:
     label = str(sample.label).strip()
     if not answer or not label:
         return 0.0
+    from math_verify import verify
+
     timeout = _math_timeout()
     golds = _parse_candidates(label, timeout)
     preds = _parse_candidates(answer, timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -11,16 +12,18 @@ from tether.config import TetherConfig
 from tether.engine.actor import EngineActor
 from tether.errors import EngineDiedError
 from tether.faults import crash_point
-from tether.rollout.manager import RolloutManager
+from tether.rollout.manager import MANAGER_SECONDS, RolloutManager
 
 
 def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
+    """The engine actors, created and not waited for: they load their models while the trainer and
+    the rollout manager start (RolloutHandle waits for them)."""
     c, r = cfg.cluster, cfg.rollout
     share = 2 if placement.colocate else 1
     busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
     cls = ray.remote(EngineActor)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
-    engines = [
+    return [
         cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
             cfg.model.path, dtype=cfg.model.dtype, max_batch=r.max_generate_batch, threads=torch_threads(c, busy),
             device=device, deterministic=cfg.deterministic, max_batch_tokens=r.max_batch_tokens,
@@ -28,20 +31,24 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
             prefix_cache_tokens=r.prefix_cache_tokens)
         for bundle in placement.engine_bundles
     ]
-    wait([e.health.remote() for e in engines], c.call_timeout_s, f"{len(engines)} engine(s) to load {cfg.model.path}")
-    return engines
 
 
 class RolloutHandle:
     def __init__(self, cfg: TetherConfig, engines: list[Any]):
+        """Starts the rollout manager (which loads the data while the engines load their models),
+        waits for both and connects them. ``ready_s``: seconds until each was ready."""
+        start = time.perf_counter()
         self.timeout_s = cfg.cluster.call_timeout_s
         self.engines = engines
-        health = wait([e.health.remote() for e in engines], self.timeout_s, "engine health")
-        self.engine_pids = [h["pid"] for h in health]
         # The manager only coordinates; a small CPU share outside the placement group is enough.
-        urls = wait([e.url.remote() for e in engines], self.timeout_s, "engine server addresses")
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"), urls)
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"))
         self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
+        self.ready_s = {"rollout manager": time.perf_counter() - start}
+        health = wait([e.health.remote() for e in engines], self.timeout_s,
+                      f"{len(engines)} engine(s) to load {cfg.model.path}")
+        self.ready_s["engines"] = time.perf_counter() - start
+        self.engine_pids = [h["pid"] for h in health]
+        self._get(self.actor.connect_engines.remote([h["url"] for h in health]), "connect_engines")
 
     def _get(self, ref: Any, what: str) -> Any:
         return wait(ref, self.timeout_s, f"rollout.{what}")
@@ -63,9 +70,12 @@ class RolloutHandle:
 
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, float]]:
         """(reference to the TrainBatch, metrics). Only the metrics are fetched to the driver."""
+        start = time.perf_counter()
         batch_ref, metrics_ref = self.actor.generate.options(num_returns=2).remote(rollout_id)
         crash_point("generate", rollout_id)
-        return batch_ref, self._get_from_engines(metrics_ref, f"generate(rollout {rollout_id})")
+        metrics = self._get_from_engines(metrics_ref, f"generate(rollout {rollout_id})")
+        metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics.pop(MANAGER_SECONDS)
+        return batch_ref, metrics
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self._get_from_engines(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")

@@ -34,7 +34,7 @@ from tether.rollout.health import RolloutHealth, answer_counts
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.sample import Sample
-from tether.trainer.model import load_tokenizer
+from tether.hf import load_tokenizer
 
 DATA_STATE = "data_source.json"
 
@@ -152,8 +152,14 @@ def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
     return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
 
 
+MANAGER_SECONDS = "timing/rollout_manager_s"
+"""The manager's own time for a rollout; the handle turns it into the Ray call's overhead."""
+
+
 class RolloutManager:
-    def __init__(self, cfg_dict: dict, engine_urls: list[str]):
+    def __init__(self, cfg_dict: dict, engine_urls: list[str] | None = None):
+        """Loads the data, tokenizer and user functions. Without ``engine_urls`` the engines are given
+        later (``connect_engines``): the manager starts while they load their models."""
         self.cfg: TetherConfig = config_from_dict(cfg_dict, "rollout manager")
         d, r = self.cfg.data, self.cfg.rollout
         self.tokenizer = load_tokenizer(self.cfg.model.path)
@@ -171,13 +177,13 @@ class RolloutManager:
         self.keep = load_filter(r.dynamic_filter)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
-        self.fleet = EngineFleet(engine_urls, self.cfg.cluster.call_timeout_s)
         eval_rows = [(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0]) for e in self.cfg.eval.datasets]
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
         row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path)]
-        custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
-                  if r.custom_generate_fn or row_fns else None)
-        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, custom)
+        self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
+                       if r.custom_generate_fn or row_fns else None)
+        self.fleet: EngineFleet | None = None
+        self.driver: GroupDriver | None = None
         self.rollout_fn = load_rollout_fn(r.custom_rollout_fn) if r.custom_rollout_fn else None
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
                                  max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic,
@@ -187,6 +193,12 @@ class RolloutManager:
         self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
         self.health = RolloutHealth(r.n_samples_per_prompt)
         self.buffer = PartialBuffer()
+        if engine_urls is not None:
+            self.connect_engines(engine_urls)
+
+    def connect_engines(self, urls: list[str]) -> None:
+        self.fleet = EngineFleet(urls, self.cfg.cluster.call_timeout_s)
+        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
@@ -217,7 +229,9 @@ class RolloutManager:
         epoch = data.epoch
         ctx = self._context(rollout_id, False, self.params, self._seed(rollout_id, 0),
                             partial(score_shaped, self.scorer, self.cfg), f"rollout {rollout_id}")
+        start = time.perf_counter()
         out = self._call(ctx, RolloutDataSource(data, self.buffer, rollout_id), False, "rollout")
+        post_start = time.perf_counter()
         samples = [s for group in out.groups for s in group]
         self.scorer.post_process(samples)
         metrics = dict(out.metrics)
@@ -231,10 +245,16 @@ class RolloutManager:
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
-        return to_train_batch(samples, self._group_size(out.groups), r.temperature), metrics
+        batch = to_train_batch(samples, self._group_size(out.groups), r.temperature)
+        end = time.perf_counter()
+        metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
+        metrics[MANAGER_SECONDS] = end - start
+        return batch, metrics
 
     def _context(self, rollout_id: int, evaluation: bool, params: SamplingParams, seed: int, score,
                  what: str) -> RolloutContext:
+        if self.driver is None:
+            raise RuntimeError(f"{what}: the rollout manager has no engines (connect_engines first)")
         return RolloutContext(cfg=self.cfg, tokenizer=self.tokenizer, rollout_id=rollout_id, evaluation=evaluation,
                               driver=self.driver, params=params, seed=seed, score=score, schedule=self.schedule,
                               keep=self.keep, buffer=self.buffer, what=what)

@@ -26,7 +26,8 @@ from tether.batch import TrainBatch
 from tether.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
-from tether.trainer.model import apply_fsdp, full_tensors, load_model, load_tokenizer, save_hf
+from tether.hf import load_model, load_tokenizer
+from tether.trainer.model import apply_fsdp, full_tensors, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch

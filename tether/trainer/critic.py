@@ -20,7 +20,8 @@ from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.losses import value_loss
 from tether.batch import MicroBatch, TrainBatch
 from tether.config import TetherConfig
-from tether.trainer.model import DTYPES, apply_fsdp
+from tether.hf import DTYPES
+from tether.trainer.model import apply_fsdp
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import StepSettings, grad_norm, micro_batches, place
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -27,19 +28,33 @@ class TrainerGroup:
                         name=None).remote(cfg_dict, rank, c.num_train_actors, threads)
             for rank, bundle in enumerate(placement.train_bundles)
         ]
+        # Created, not waited for: the actors import torch and start while engines and the rollout
+        # manager do the same; ``start`` (or ``init``) waits.
         self.group = ActorGroup(actors, "trainer", c.call_timeout_s)
+        self.started = False
+
+    def start(self) -> None:
+        """Wait for the actors and join them in one torch.distributed group."""
+        if self.started:
+            return
         master_addr, master_port = self.group.call("address", what="rank addresses")[0]
         self.group.call("setup_distributed", master_addr, master_port, what="torch.distributed init")
+        self.started = True
 
     def init(self, total_steps: int, with_ref: bool, load_dir: str | None) -> None:
+        self.start()
         self.group.call("init", total_steps, with_ref, load_dir, what=f"model init (load={load_dir})")
 
     def train(self, step_id: int, batch_ref: Any, policy_loss: str | None = None,
               global_batch_size: int | None = None) -> dict[str, float]:
         # batch_ref is resolved by Ray inside each actor: the batch never passes through the driver.
+        start = time.perf_counter()
         refs = self.group.submit("train", step_id, batch_ref, policy_loss, global_batch_size)
         crash_point("train", step_id)
-        return wait(refs, self.group.timeout_s, f"trainer.train(step {step_id}) on {len(self.group)} rank(s)")[0]
+        metrics = wait(refs, self.group.timeout_s, f"trainer.train(step {step_id}) on {len(self.group)} rank(s)")[0]
+        # What the actor did not spend training: fetching the batch from the object store, the Ray call.
+        metrics["timing/train_call_overhead_s"] = time.perf_counter() - start - metrics["timing/train_s"]
+        return metrics
 
     def score(self, batch: Any) -> list[list[float]]:
         return self.group.call("score", batch, what="score")[0]
@@ -49,9 +64,12 @@ class TrainerGroup:
         self.group.call("connect_engines", engines, urls, what="connect engines")
 
     def push_weights(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
         refs = self.group.submit("push_weights", version)
         crash_point("push", version - 1)  # the push that follows rollout version - 1
-        return wait(refs, self.group.timeout_s, f"trainer.push_weights(version {version})")[0]
+        metrics = wait(refs, self.group.timeout_s, f"trainer.push_weights(version {version})")[0]
+        metrics["timing/weight_sync_call_overhead_s"] = time.perf_counter() - start - metrics.get("weight_sync/seconds", 0.0)
+        return metrics
 
     def save(self, staging_dir: str) -> None:
         self.group.call("save", staging_dir, what=f"checkpoint save to {staging_dir}")

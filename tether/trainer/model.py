@@ -1,4 +1,4 @@
-"""Loading an HF causal LM and applying FSDP2 to it as a function.
+"""Applying FSDP2 to an HF causal LM as a function, and gathering / saving its full weights.
 
 The model has no distributed code; ``apply_fsdp`` shards each decoder layer and then the root
 (torchtitan's way), so each layer's parameters are gathered just in time during forward/backward.
@@ -14,21 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
-
-
-def load_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
-    """An HF causal LM from a local directory; a missing or foreign directory gets a clear error."""
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={path!r} is not a directory with an HF config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
-    return model.to(device)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

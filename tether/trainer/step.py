@@ -12,7 +12,10 @@ size before backward to turn that average back into the sum.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -221,6 +224,17 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
     return metrics
 
 
+@contextmanager
+def timed(totals: dict[str, float], phase: str) -> Iterator[None]:
+    """Adds the block's wall time to totals["timing/train_<phase>_s"] (summed over optimizer steps)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing/train_{phase}_s"
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -256,12 +270,17 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     # numbers a separate pass would compute. Only a KL penalty in the reward needs them before training.
     separate_old = is_rl and (steps > 1 or s.advantage_params.kl_coef > 0)
     seen: dict[int, torch.Tensor] | None = {} if is_rl and not separate_old else None
+    phases: dict[str, float] = {}  # where this rank's time went: old/ref passes, forward/backward, optimizer
     if is_rl:
-        old = response_logprobs(model, batch, assigned, s) if separate_old else None
+        if separate_old:
+            with timed(phases, "old_logprob"):
+                old = response_logprobs(model, batch, assigned, s)
         if ref_model is not None:
-            ref = response_logprobs(ref_model, batch, assigned, s)
-        values = critic.values(batch, assigned, s) if critic is not None else None
-        advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
+            with timed(phases, "ref_logprob"):
+                ref = response_logprobs(ref_model, batch, assigned, s)
+        with timed(phases, "advantages"):
+            values = critic.values(batch, assigned, s) if critic is not None else None
+            advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
         out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
         out["train/separate_old_logprob_pass"] = float(separate_old)
     summed: dict[str, float] = {}
@@ -270,29 +289,34 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
         trained = [batch.trained_tokens(i) for i in global_idx]
         counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
-        parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world, seen)
+        with timed(phases, "forward_backward"):
+            parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world, seen)
         if is_rl and k == 0:  # the trainer's log-probs before any update, against the engine's
             out.update(mismatch_metrics(batch, [i for m in assigned for i in m], old if old is not None else seen))
         if critic is not None and is_rl:
-            parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
+            with timed(phases, "critic"):
+                parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
         keys = sorted(parts)
         reduced = dict(zip(keys, all_reduce_sum([parts[key] for key in keys])))
-        norm = grad_norm(model, s.grad_clip)
-        inputs = {"advantages": _cat(advantages, mine), "old log-probs": _cat(old, mine), "ref log-probs": _cat(ref, mine)}
-        skipped = guard.check(f"{what}, optimizer step {k + 1}/{steps}", reduced, norm, model, inputs)
-        reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        reduced["grad_norm"] = norm
-        if skipped is None:
-            optimizer.step()
-            scheduler.step()
-        else:
-            warnings.append(skipped)
-        optimizer.zero_grad(set_to_none=True)
+        with timed(phases, "optimizer"):  # grad norm and clipping (a collective), the checks, the step
+            norm = grad_norm(model, s.grad_clip)
+            inputs = {"advantages": _cat(advantages, mine), "old log-probs": _cat(old, mine),
+                      "ref log-probs": _cat(ref, mine)}
+            skipped = guard.check(f"{what}, optimizer step {k + 1}/{steps}", reduced, norm, model, inputs)
+            reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
+            reduced["grad_norm"] = norm
+            if skipped is None:
+                optimizer.step()
+                scheduler.step()
+            else:
+                warnings.append(skipped)
+            optimizer.zero_grad(set_to_none=True)
         if critic is not None and is_rl:
             reduced["critic/grad_norm"] = critic.step(apply=skipped is None)
         accumulate(summed, reduced)
     check_weights(model, what)
     out.update({f"train/{k}": v / steps for k, v in summed.items()})
+    out.update(phases)
     out["train/optimizer_steps"] = float(steps - len(warnings))
     out["train/skipped_steps"] = float(len(warnings))
     if warnings:

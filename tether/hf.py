@@ -1,0 +1,27 @@
+"""Loading an HF causal LM and its tokenizer from a local directory.
+
+Below the parts that use it (trainer, engines, rollout manager, export), and free of distributed
+code: an engine or the rollout manager importing it does not pay for FSDP's imports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
+    """An HF causal LM from a local directory; a missing or foreign directory gets a clear error."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={path!r} is not a directory with an HF config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return model.to(device)
