@@ -20,9 +20,10 @@ from tasks import TASKS, Task, teacher  # noqa: E402
 
 from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
-SIZES = {  # the quickstart's model, and one about ten times larger
+SIZES = {  # the quickstart's model, one about ten times larger, and one about fifty times
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384),
     "4m": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=768),
+    "20m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536),
 }
 
 

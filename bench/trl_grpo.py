@@ -1,0 +1,77 @@
+"""TRL's GRPOTrainer on one of bench/vs_trl.py's setups; run by bench/vs_trl.py in TRL's own venv.
+
+    bench/.venv-trl/bin/python bench/trl_grpo.py SETUP.json OUT.json
+
+SETUP.json gives the model directory, the prompt file (JSONL rows {"prompt", "label"}) and the
+shared settings; OUT.json receives one row per optimizer step: its wall seconds and mean reward,
+and the seconds from process start to the first step. This file imports TRL, not tether.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+START = time.perf_counter()
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+def exact_match(completions: list[str], label: list[str], **_) -> list[float]:
+    """1.0 when the completion is the label (stripped): tether's exact_match reward."""
+    return [float(c.strip() == str(y).strip()) for c, y in zip(completions, label)]
+
+
+class StepClock(TrainerCallback):
+    """Wall time of each optimizer step (generation + scoring + forward/backward + optimizer)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.first_step_at: float | None = None
+        self._began = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._began = time.perf_counter()
+        if self.first_step_at is None:
+            self.first_step_at = self._began - START
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append({"seconds": time.perf_counter() - self._began})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs and self.rows:
+            self.rows[-1]["reward"] = logs["reward"]
+
+
+def main() -> None:
+    setup = json.loads(open(sys.argv[1]).read())
+    torch.set_num_threads(setup["threads"])
+    rows = [json.loads(line) for line in open(setup["prompts"]) if line.strip()]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
+    batch = setup["prompts_per_step"] * setup["samples_per_prompt"]
+    config = GRPOConfig(
+        output_dir=setup["out_dir"], seed=setup["seed"], use_cpu=True, bf16=False, report_to=[],
+        save_strategy="no", logging_steps=1, max_steps=setup["steps"], shuffle_dataset=True,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=setup["samples_per_prompt"], num_iterations=1,  # one optimizer step per generation
+        max_completion_length=setup["max_new_tokens"], temperature=setup["temperature"], top_p=1.0,
+        learning_rate=setup["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=setup["grad_clip"], beta=0.0, epsilon=setup["clip_low"], epsilon_high=setup["clip_high"],
+        loss_type="dapo", scale_rewards="group", dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(setup["model"])
+    clock = StepClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    with open(sys.argv[2], "w") as f:
+        json.dump({"steps": clock.rows, "first_step_at_s": clock.first_step_at}, f)
+
+
+if __name__ == "__main__":
+    main()
