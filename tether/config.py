@@ -47,6 +47,10 @@ class ClusterConfig(Section):
     weight_sync: Literal["object_store", "distributed"] = "object_store"
     """How weights reach the engines: Ray object store buckets (shared memory on one host), or a
     torch.distributed broadcast group (gloo on CPU, NCCL on GPU) through the engines' HTTP API."""
+    weight_sync_bucket_mb: float = Field(256.0, gt=0)
+    """Weights travel in buckets of at most this many MB (a larger tensor goes alone, never split); the
+    engines load one bucket while the next is sent. Staging holds two buckets (with object_store and
+    engines on the trainer's host, in a shared-memory segment kept between pushes)."""
     call_timeout_s: float = Field(600.0, gt=0)
     """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
     collective_timeout_s: float = Field(300.0, gt=0)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-import torch
-
 from tether.engine.base import GenerateRequest
 from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.generate import GenerateOutput
 from tether.engine.server import EngineServer
+from tether.weight_sync.object_store import PackedBucket, unpack_bucket
+from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
 
 
 class EngineActor:
@@ -27,6 +27,7 @@ class EngineActor:
             lambda: EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic, onednn_linear),
             max_batch=max_batch, max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens, seed=seed)
         self.engine = self.core.engine
+        self._segment = SegmentReader()  # the trainer's weight-sync segment, when it is on this host
         advertised = host
         if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router
             import ray
@@ -44,7 +45,15 @@ class EngineActor:
                                       for i, r in enumerate(requests)])
         return [r.future.result() for r in reqs]
 
-    def load_weight_bucket(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (weight sync uses shared memory with a trainer on the same one)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int) -> int:
+        """One bucket from ObjectStoreSender, copied into the model from shared memory or the object store."""
+        tensors = self._segment.tensors(bucket) if isinstance(bucket, SharedBucket) else unpack_bucket(bucket)
         return self.core.exclusive(lambda: self.engine.load_weight_bucket(tensors, version))
 
     def commit_weights(self, version: int) -> int:

@@ -29,7 +29,7 @@ from tether.engine.protocol import (
     UpdateWeightsIn, response,
 )
 from tether.http_server import ThreadedServer
-from tether.weight_sync.distributed import DTYPES, join_group, receive
+from tether.weight_sync.distributed import DTYPES, Receiver, join_group
 
 MAX_CONCURRENT_REQUESTS = 512
 
@@ -164,32 +164,38 @@ def _add_distributed_routes(app: FastAPI, core: EngineCore, timeout_s: float) ->
     @app.post("/init_weights_update_group")
     def init_group(body: InitGroupIn) -> dict:
         # Blocks until every member (the trainer's rank 0 and all engines) has joined.
-        groups[body.group_name] = join_group(body.master_address, body.master_port, body.rank_offset,
-                                             body.world_size, body.backend, timeout_s)
+        group = join_group(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend,
+                           timeout_s)
+        groups[body.group_name] = Receiver(group, core.engine.device)
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(body: UpdateDistributedIn) -> dict:
-        group = groups.get(body.group_name)
-        if group is None:
+        receiver = groups.get(body.group_name)
+        if receiver is None:
             raise _bad_request(ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group"))
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             raise _bad_request(ValueError("names, dtypes and shapes must have the same length"))
         unknown = [d for d in body.dtypes if d not in DTYPES]
         if unknown:
             raise _bad_request(ValueError(f"unknown dtypes {unknown}; known: {list(DTYPES)}"))
-        # Receive outside the model lock (generation goes on), then load between two decode steps.
-        tensors = receive(group, body.names, body.dtypes, body.shapes, core.engine.device)
         version = body.weight_version
+        # Receive outside the model lock (generation goes on), then load between two decode steps.
+        with receiver.lock:
+            tensors = receiver.receive(body.names, body.dtypes, body.shapes)
 
-        def apply() -> int:
-            core.engine.load_weight_bucket(tensors, version if version is not None else core.engine.weight_version)
-            return core.engine.commit_weights(version) if version is not None else core.engine.weight_version
+            def apply() -> int:
+                core.engine.load_weight_bucket(tensors, version if version is not None else core.engine.weight_version)
+                return core.engine.commit_weights(version) if version is not None else core.engine.weight_version
 
-        try:
-            return {"success": True, "weight_version": core.exclusive(apply)}
-        except EngineError as err:
-            raise _bad_request(err) from None
+            try:
+                loaded = core.exclusive(apply)
+            except EngineError as err:
+                receiver.done()
+                raise _bad_request(err) from None
+            if version is not None:  # the push is complete: free the receive buffer until the next one
+                receiver.done()
+            return {"success": True, "weight_version": loaded}
 
 
 def _text(out, decode, params: SamplingParamsIn) -> str:

@@ -161,14 +161,15 @@ class TrainActor:
         if self.rank != 0:
             return
         c = self.cfg.cluster
+        bucket_bytes = int(c.weight_sync_bucket_mb * 2**20)
         if c.weight_sync == "distributed":
             import ray
 
             self.sender = DistributedSender(urls, ray.util.get_node_ip_address(),
                                             backend="nccl" if self.device == "cuda" else "gloo",
-                                            timeout_s=c.call_timeout_s, device=self.device)
+                                            bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device)
         else:
-            self.sender = ObjectStoreSender(engines, timeout_s=c.call_timeout_s)
+            self.sender = ObjectStoreSender(engines, bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Gather full weights (collective) and stream them from rank 0 to every engine."""

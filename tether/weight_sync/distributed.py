@@ -9,7 +9,9 @@ broadcasts, so the calls go out on threads and the broadcasts run here; all of i
 
 from __future__ import annotations
 
+import itertools
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -19,7 +21,7 @@ import httpx
 import torch
 from torch.distributed import TCPStore
 
-from tether.weight_sync.base import WeightSender
+from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -36,17 +38,43 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def receive(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device: str) -> dict[str, torch.Tensor]:
-    """Engine side: the tensors rank 0 broadcasts, in the announced order."""
-    out = {}
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
-        group.broadcast(tensor, 0).wait()
-        out[name] = tensor
-    return out
+class Receiver:
+    """Engine side of a weight-update group: receives each announced bucket, in order, into one buffer
+    that the buckets of a push share (so a push faults in fresh memory once, not once per bucket).
+    ``lock`` keeps one bucket at a time on the group; ``done`` frees the buffer after a push."""
+
+    def __init__(self, group, device: str):
+        self.group = group
+        self.device = device
+        self.lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
+        """The tensors rank 0 broadcasts, as views of the buffer: valid until the next ``receive``."""
+        types = [DTYPES[d] for d in dtypes]
+        sizes = [torch.Size(shape).numel() * t.itemsize for shape, t in zip(shapes, types)]
+        ends = list(itertools.accumulate(_aligned(n) for n in sizes))
+        if self._buffer is None or self._buffer.numel() < (ends[-1] if ends else 0):
+            self._buffer = None  # free the smaller one first
+            self._buffer = torch.empty(ends[-1], dtype=torch.uint8, device=self.device)
+        out = {}
+        for name, dtype, shape, size, end in zip(names, types, shapes, sizes, ends):
+            start = end - _aligned(size)
+            tensor = self._buffer[start : start + size].view(dtype).reshape(shape) if size else \
+                torch.empty(shape, dtype=dtype, device=self.device)
+            self.group.broadcast(tensor, 0).wait()
+            out[name] = tensor
+        return out
+
+    def done(self) -> None:
+        self._buffer = None
 
 
-def _free_port() -> int:
+def _aligned(n: int, align: int = 64) -> int:
+    return (n + align - 1) // align * align
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -54,14 +82,14 @@ def _free_port() -> int:
 
 class DistributedSender(WeightSender):
     def __init__(self, engine_urls: list[str], master_address: str, backend: str = "gloo",
-                 bucket_bytes: int = 256 << 20, timeout_s: float = 300.0, device: str = "cpu"):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0, device: str = "cpu"):
         self.urls = engine_urls
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(engine_urls)), thread_name_prefix="weights")
         self._client = httpx.Client(timeout=timeout_s)
-        port = _free_port()
+        port = free_port()
         world = len(engine_urls) + 1
         body = {"master_address": master_address, "master_port": port, "world_size": world,
                 "group_name": "tether-weights", "backend": backend}
@@ -83,26 +111,32 @@ class DistributedSender(WeightSender):
         except TimeoutError:
             raise TimeoutError(f"timed out after {self.timeout_s:.0f}s waiting for {what}") from None
 
-    def _bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+    def _bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> float:
+        """One bucket: announce it over HTTP, broadcast it, wait for every engine to load it; returns
+        the seconds spent broadcasting."""
         body = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": "tether-weights",
                 "weight_version": version}
         calls = [self._pool.submit(self._post, url, "/update_weights_from_distributed", body) for url in self.urls]
+        start = time.perf_counter()
         for _, tensor in bucket:
             self.group.broadcast(tensor.to(self.device).contiguous(), 0).wait()
+        elapsed = time.perf_counter() - start
         self._wait(calls, f"engines confirming a weight bucket of {len(bucket)} tensors")
+        return elapsed
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         start = time.perf_counter()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = total = buckets = 0
-        for name, tensor in named_tensors:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                self._bucket(bucket, None)
-                total, bucket, size, buckets = total + size, [], 0, buckets + 1
-        self._bucket(bucket, version)  # the last one (possibly empty) commits the version
-        total += size
-        return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/megabytes": total / 2**20,
-                "weight_sync/buckets": float(buckets + 1)}
+        total = buckets = 0
+        broadcast_s = 0.0
+        # One bucket of lookahead: the last one commits the version (an empty one if there are no tensors).
+        previous: list[tuple[str, torch.Tensor]] | None = None
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            if previous is not None:
+                broadcast_s += self._bucket(previous, None)
+            previous, buckets, total = bucket, buckets + 1, total + sum(nbytes(t) for _, t in bucket)
+        broadcast_s += self._bucket(previous or [], version)
+        elapsed = time.perf_counter() - start
+        return {"weight_sync/seconds": elapsed, "weight_sync/megabytes": total / 2**20,
+                "weight_sync/buckets": float(buckets), "weight_sync/broadcast_seconds": broadcast_s,
+                "weight_sync/wait_seconds": elapsed - broadcast_s}
