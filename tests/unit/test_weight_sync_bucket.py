@@ -29,7 +29,9 @@ def test_bucket_size_is_a_cluster_field_in_mb():
 
 def test_small_buckets_split_the_weights_in_order_without_splitting_a_tensor():
     named = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate([10, 30, 5, 100, 1, 1, 40])]
-    buckets = list(iter_buckets(iter(named), bucket_bytes=160))  # 40 float32 values
+    marked = list(iter_buckets(iter(named), bucket_bytes=160))  # 40 float32 values
+    assert [last for _, last in marked] == [False] * 4 + [True]
+    buckets = [b for b, _ in marked]
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"], ["t6"]]
     assert [pair for b in buckets for pair in b] == named  # the same tensors, in order, each once
     assert all(sum(nbytes(t) for _, t in b) <= 160 for b in buckets if len(b) > 1)
@@ -60,7 +62,7 @@ def test_many_small_buckets_load_the_same_weights_into_the_engine(engine):
     noise = {t.data_ptr(): torch.randn(t.shape, generator=g) for t in state.values()}  # tied weights: one noise
     new = {name: t + noise[t.data_ptr()] for name, t in state.items()}
     total = sum(nbytes(t) for t in new.values())
-    buckets = list(iter_buckets(iter(new.items()), bucket_bytes=total // 8))
+    buckets = [b for b, _ in iter_buckets(iter(new.items()), bucket_bytes=total // 8)]
     assert len(buckets) >= 8
     for bucket in buckets:
         engine.load_weight_bucket(unpack_bucket(pack_bucket(bucket)), version=3)
@@ -107,7 +109,7 @@ def test_shared_memory_slots_carry_buckets_bit_for_bit_and_the_segment_is_remove
     new = {name: t + noise[t.data_ptr()] for name, t in state.items()}
     new["extra.bf16"] = torch.randn(3, generator=g).to(torch.bfloat16)  # odd sizes keep later tensors aligned
     new["extra.empty"] = torch.zeros(0, 2)
-    buckets = list(iter_buckets(iter(new.items()), bucket_bytes=sum(nbytes(t) for t in new.values()) // 4))
+    buckets = [b for b, _ in iter_buckets(iter(new.items()), bucket_bytes=sum(nbytes(t) for t in new.values()) // 4)]
     segment = StagingSegment(max(bucket_span(b) for b in buckets))
     reader = SegmentReader()
     received = {}

@@ -14,6 +14,7 @@ from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.generate import GenerateOutput
 from tether.engine.server import EngineServer
+from tether.weight_sync.base import copy_threads
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
 
@@ -51,10 +52,16 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
-    def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int) -> int:
-        """One bucket from ObjectStoreSender, copied into the model from shared memory or the object store."""
+    def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int, overlapped: bool = False) -> int:
+        """One bucket from ObjectStoreSender, copied into the model from shared memory or the object store
+        (with half the threads when ``overlapped``: the trainer writes the next bucket meanwhile)."""
         tensors = self._segment.tensors(bucket) if isinstance(bucket, SharedBucket) else unpack_bucket(bucket)
-        return self.core.exclusive(lambda: self.engine.load_weight_bucket(tensors, version))
+
+        def load() -> int:
+            with copy_threads(overlapped):
+                return self.engine.load_weight_bucket(tensors, version)
+
+        return self.core.exclusive(load)
 
     def commit_weights(self, version: int) -> int:
         return self.core.exclusive(lambda: self.engine.commit_weights(version))

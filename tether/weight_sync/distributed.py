@@ -129,13 +129,11 @@ class DistributedSender(WeightSender):
         start = time.perf_counter()
         total = buckets = 0
         broadcast_s = 0.0
-        # One bucket of lookahead: the last one commits the version (an empty one if there are no tensors).
-        previous: list[tuple[str, torch.Tensor]] | None = None
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            if previous is not None:
-                broadcast_s += self._bucket(previous, None)
-            previous, buckets, total = bucket, buckets + 1, total + sum(nbytes(t) for _, t in bucket)
-        broadcast_s += self._bucket(previous or [], version)
+        for bucket, last in iter_buckets(named_tensors, self.bucket_bytes):
+            broadcast_s += self._bucket(bucket, version if last else None)  # the last one commits the version
+            buckets, total = buckets + 1, total + sum(nbytes(t) for _, t in bucket)
+        if not buckets:
+            broadcast_s += self._bucket([], version)  # no tensors: still commit the version
         elapsed = time.perf_counter() - start
         return {"weight_sync/seconds": elapsed, "weight_sync/megabytes": total / 2**20,
                 "weight_sync/buckets": float(buckets), "weight_sync/broadcast_seconds": broadcast_s,

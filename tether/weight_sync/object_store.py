@@ -79,14 +79,14 @@ class ObjectStoreSender(WeightSender):
                 log.warning("weight sync falls back to the Ray object store: %s", err)
                 self._local = [False] * len(self.engines)
                 return None
-        return self._segment.write(slot, bucket)
+        return self._segment.write(slot, bucket, overlapped=bool(pending))
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         start = time.perf_counter()
         stage_s = wait_s = 0.0
         total = buckets = 0
         pending: list = []
-        for index, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
+        for index, (bucket, last) in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
             what = f"engines loading weight bucket {index - 1} (version {version})"
             t0 = time.perf_counter()
             # Bucket k goes into slot k % 2 (and/or the store) while the engines still load bucket k-1.
@@ -98,7 +98,8 @@ class ObjectStoreSender(WeightSender):
                 wait(pending, self.timeout_s, what)
             wait_s += time.perf_counter() - t1
             stage_s += t1 - t0
-            pending = [e.load_weight_bucket.remote(shared if here else ref, version)
+            # The engines' copies overlap the trainer's next write, except for the last bucket.
+            pending = [e.load_weight_bucket.remote(shared if here else ref, version, here and not last)
                        for e, here in zip(self.engines, local)]
             total, buckets = total + sum(nbytes(t) for _, t in bucket), buckets + 1
         t1 = time.perf_counter()

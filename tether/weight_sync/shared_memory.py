@@ -20,7 +20,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from tether.weight_sync.base import nbytes
+from tether.weight_sync.base import copy_threads, nbytes
 
 ALIGN = 64  # every tensor starts on a cache line
 
@@ -67,19 +67,21 @@ class StagingSegment:
         self._state = [False]  # unlinked; shared with the finalizer
         self._finalizer = weakref.finalize(self, _remove, self.shm, self._state)
 
-    def write(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> SharedBucket:
+    def write(self, slot: int, bucket: list[tuple[str, torch.Tensor]], overlapped: bool = False) -> SharedBucket:
+        """Copy the bucket into a slot (with half the threads when ``overlapped``: engines load meanwhile)."""
         assert self.memory is not None, "the segment is closed"
         offset = slot * self.slot_bytes
         if bucket_span(bucket) > self.slot_bytes:
             raise ValueError(f"a bucket of {bucket_span(bucket)} bytes does not fit a slot of {self.slot_bytes}")
         entries = []
-        for name, tensor in bucket:
-            size = nbytes(tensor)
-            if size:
-                src = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                self.memory[offset : offset + size].copy_(src)
-            entries.append((name, tensor.dtype, tuple(tensor.shape), offset))
-            offset += _aligned(size)
+        with copy_threads(overlapped):
+            for name, tensor in bucket:
+                size = nbytes(tensor)
+                if size:
+                    src = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    self.memory[offset : offset + size].copy_(src)
+                entries.append((name, tensor.dtype, tuple(tensor.shape), offset))
+                offset += _aligned(size)
         return SharedBucket(self.name, entries)
 
     def unlink(self) -> None:
