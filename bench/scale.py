@@ -1,11 +1,13 @@
 """The scale ladder: one RL step (generate, train, push weights) of the real `tether train` on random
 Qwen2-shaped models from ~4M to ~0.5B parameters: the time of each phase and the memory of each process.
 
-    python bench/scale.py --sizes 4m,20m                    # quick: two small rungs, ~1.5 min on 2 cores
-    python bench/scale.py                                   # the ladder in float32, ~6 min
-    python bench/scale.py --dtypes float32,bfloat16         # and in bfloat16: the README's table, ~11 min
+    python bench/scale.py --sizes 4m,20m                    # quick: two small rungs, ~1 min on 2 cores
+    python bench/scale.py                                   # the ladder in float32, ~4 min
+    python bench/scale.py --dtypes float32,bfloat16         # and in bfloat16: the README's table, ~6 min
     python bench/scale.py --sizes 0.5b --set cluster.offload=true   # config overrides, for every run
-    python bench/scale.py --sizes 0.5b --vocab 151936       # Qwen2.5's vocabulary size (494M parameters)
+    python bench/scale.py --sizes 0.5b --vocab 151936       # Qwen2.5's vocabulary size (494M), ~3.5 min
+
+The times include building the models; later runs with the same --work reuse them.
 
 Rungs (hidden / layers / heads / KV heads / MLP; head size 64 as in Qwen2.5; tied embeddings):
 4m 256/4/4/2/1024, 20m 512/6/8/2/1792, 100m 768/12/12/2/3072, and 0.5b 896/24/14/2/4864, which is
@@ -33,8 +35,8 @@ which pays one-time costs. Memory rows:
   process that maps them, for example the object store's weight buckets.
 - the largest total proportional set size (PSS) of the whole tree at one moment, and the trainer's
   and the engine's share of it then. PSS splits shared pages between their users, so it is what
-  the run costs the machine. It is read every second sample (smaps_rollup costs tens of ms on a
-  large process).
+  the run costs the machine. It is read every 2 s only: smaps_rollup takes tens of ms on a
+  large process, and 0.1 s on the 0.5b trainer.
 - the sampling's own CPU time, and the machine's load average at the end.
 
 The machine is shared, so read the load row: another busy process slows every phase.
@@ -178,7 +180,7 @@ class MemorySampler(threading.Thread):
     every ``pss_every``-th sample also the tree's total PSS (smaps_rollup walks a process's memory map:
     tens of ms for a large trainer, so not every time). ``cpu_s``: what the sampling itself cost."""
 
-    def __init__(self, root: int, interval: float = 0.5, pss_every: int = 2):
+    def __init__(self, root: int, interval: float = 0.5, pss_every: int = 4):
         super().__init__(daemon=True)
         self.root, self.interval, self.pss_every = root, interval, pss_every
         self.samples, self.cpu_s = 0, 0.0
