@@ -18,6 +18,7 @@ import asyncio
 
 import httpx
 
+from tether.http_client import async_client
 from tether.rewards.loader import RewardError
 from tether.sample import Sample
 
@@ -46,7 +47,7 @@ class RemoteReward:
         what = f"reward server {self.url}, group of prompt_index={samples[0].prompt_index} (rollout {samples[0].rollout_id})"
         body = request_body(samples)
         problems = []
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with async_client(self.timeout_s) as client:
             for attempt in range(self.retries + 1):
                 if attempt:
                     await asyncio.sleep(0.5 * 2 ** (attempt - 1))

@@ -248,6 +248,10 @@ class RolloutManager:
         batch = to_train_batch(samples, self._group_size(out.groups), r.temperature)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
+        # The rollout function's time outside the driver's generate: its event loop and HTTP client,
+        # the engines' prefill counters (and, for a custom function, whatever it does besides).
+        if "timing/generate_s" in metrics:
+            metrics["timing/rollout_fn_overhead_s"] = post_start - start - metrics["timing/generate_s"]
         metrics[MANAGER_SECONDS] = end - start
         return batch, metrics
 
