@@ -6,7 +6,8 @@
 One rollout's batch, one optimizer step (global_batch_size = the batch), float32, torch threads = the
 cores. Prints the median milliseconds (of 6, after 2 warm-ups) of: the step as it runs now (old
 log-probs taken from the training forward), a separate no-grad old-log-prob pass (what the step cost
-on top before), and their ratio.
+on top before), and their ratio; then the same step with the model wrapped by FSDP2 on a one-rank
+gloo group, as a single train actor runs it, against the plain model (the cost of the wrapping).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
 from tether.tiny import build_char_tokenizer, build_tiny_model
 from tether.hf import load_model
+from tether.trainer.model import apply_fsdp
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 
 
@@ -33,6 +37,12 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1000
+
+
+def timed_step(model: torch.nn.Module, batch: TrainBatch, s: StepSettings, repeats: int) -> float:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return timed(lambda: train_on_batch(model, optimizer, scheduler, batch, s, 0, 1), repeats)
 
 
 def main() -> None:
@@ -57,16 +67,19 @@ def main() -> None:
     s = StepSettings(micro_batch_size=n, global_batch_size=n, pad_id=0, grad_clip=1.0, policy_loss="ppo_clip",
                      loss_params=LossParams(), advantage_estimator="grpo", max_response_len=r)
     model = load_model(str(model_dir), "float32")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    step = timed(lambda: train_on_batch(model, optimizer, scheduler, batch, s, 0, 1), args.repeats)
+    step = timed_step(model, batch, s, args.repeats)
     old = timed(lambda: response_logprobs(model, batch, [list(range(n))], s), args.repeats)
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
+    sharded = apply_fsdp(load_model(str(model_dir), "float32"), init_device_mesh("cpu", (1,)))
+    fsdp_step = timed_step(sharded, batch, s, args.repeats)
+    dist.destroy_process_group()
     params = sum(t.numel() for t in model.parameters())
     print(f"{n} samples x {p}+{r} tokens, {params / 1e6:.2f}M parameters, {torch.get_num_threads()} threads")
     print(f"{'step (old log-probs from the training forward)':<50} {step:>8.0f} ms")
     print(f"{'separate old-log-prob pass (skipped now)':<50} {old:>8.0f} ms")
     print(f"{'step with the separate pass':<50} {step + old:>8.0f} ms")
     print(f"{'saved':<50} {old / (step + old) * 100:>7.0f} %")
+    print(f"{'step with FSDP2 on one rank':<50} {fsdp_step:>8.0f} ms ({fsdp_step / step:.2f}x the plain model)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "recipes" / "suite"
 TRL_VERSION = "1.16.0"
+# Epochs over the suite's 16000 sloppy-teacher answers: enough that the SFT model answers in the
+# task's format and gets some right (a start where every reward is 0 gives no gradient to compare).
+SFT_EPOCHS = {"tiny": 5, "4m": 2, "20m": 1}
 
 
 def trl_python() -> Path:
@@ -71,11 +74,10 @@ def prepare(size: str, out: Path, log: Path) -> Path:
     sft_hf = out / "sft" / "hf"
     if (sft_hf / "config.json").is_file():
         return sft_hf
-    run([sys.executable, str(SUITE / "prepare.py"), "--task", "reverse", "--size", size, "--out", str(out),
-         "--num-sft", "4000"], log)
+    run([sys.executable, str(SUITE / "prepare.py"), "--task", "reverse", "--size", size, "--out", str(out)], log)
     run([sys.executable, "-m", "tether.cli", "sft", "--config", str(SUITE / "sft.yaml"), "--overwrite",
-         f"output_dir={out}/sft", f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl", "sft.num_epoch=2",
-         "eval.datasets=[]"], log)
+         f"output_dir={out}/sft", f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl",
+         f"sft.num_epoch={SFT_EPOCHS.get(size, 1)}", "eval.datasets=[]"], log)
     return sft_hf
 
 

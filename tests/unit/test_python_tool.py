@@ -73,9 +73,10 @@ def test_syntax_error():
 
 def test_infinite_loop_is_killed_at_the_deadline():
     start = time.monotonic()
-    result = call("import os\nprint(os.getpid(), flush=True)\nwhile True: pass", timeout_s=1)
-    assert time.monotonic() - start < 3
-    assert not result.ok and "timed out after 1s" in result.output
+    # 2 s, not 1: a cold interpreter on a busy machine can take most of a second to print.
+    result = call("import os\nprint(os.getpid(), flush=True)\nwhile True: pass", timeout_s=2)
+    assert time.monotonic() - start < 4.5
+    assert not result.ok and "timed out after 2s" in result.output
     pid = int(result.output.split()[0])  # what it printed before it was stopped is shown
     assert not os.path.exists(f"/proc/{pid}") and leftovers(pid) == []
 
