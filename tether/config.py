@@ -306,6 +306,13 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0: no clipping, the norm is still logged)."""
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    """Mixed precision: the trainer's forward and backward passes (policy, reference, critic) run with
+    the parameters cast to this dtype, while the weights, AdamW's state and the checkpoints stay in
+    model.dtype, gradients are reduced in float32, and log-probs and losses are computed in float32
+    (FSDP2's MixedPrecisionPolicy). The engines keep model.dtype. None: compute in model.dtype.
+    bfloat16 runs matmuls about 2x faster on CPUs with AVX-512 BF16 and on GPUs; the trainer's
+    log-probs then differ from float32 engines' by about 1e-2 (logged as mismatch)."""
     skip_nonfinite_steps: int = Field(0, ge=0)
     """An optimizer step whose loss or gradient norm is NaN/inf is never applied. 0: the run stops
     with an error naming the rollout, the loss term and the first non-finite tensor; N > 0: such a

@@ -115,7 +115,9 @@ def test_each_estimator_runs_two_rollouts(estimator, ray_session, tiny_model_dir
     # DAPO's overlong shaping rides along with Dr. GRPO (4-token responses, the last 2 penalised)
     shaping = {"overlong_buffer_len": 2} if estimator == "dr_grpo" else {}
     packing = {"max_tokens_per_micro_batch": 24} if estimator == "grpo" else {}  # and GRPO trains packed
-    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", train=packing,
+    # PPO's policy and critic, and REINFORCE++'s reference, compute in bfloat16 over float32 weights
+    mixed = {"compute_dtype": "bfloat16"} if estimator in ("gae", "reinforce_pp") else {}
+    raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run", train={**packing, **mixed},
                       rollout={"num_rollout": 2, **shaping}, eval={"datasets": []}, checkpoint={"save_interval": None},
                       algorithm={"advantage_estimator": estimator, **ESTIMATORS[estimator]})
     train(config_from_dict(raw))
@@ -126,9 +128,12 @@ def test_each_estimator_runs_two_rollouts(estimator, ray_session, tiny_model_dir
         assert row["train/adv_mean"] == row["train/adv_mean"]
         assert row["train/grad_norm"] > 0, row
         assert ("rollout/overlong_penalty_mean" in row) == bool(shaping)
+        # float32 engines against the trainer's bfloat16 (or float32) forward
+        assert 0 < row["mismatch/logprob_abs_diff_mean"] < 0.1 if mixed else row["mismatch/logprob_abs_diff_mean"] < 1e-4
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(tmp_path / "run" / "hf" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert {t.dtype for t in after.values()} == {torch.float32}  # the weights stay in model.dtype
 
 
 def test_ppo_with_a_critic_trains_saves_and_resumes(ray_session, tiny_model_dir, addition_data, tmp_path):

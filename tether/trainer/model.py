@@ -12,9 +12,12 @@ from typing import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from tether.config import TetherConfig
+from tether.hf import DTYPES
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -26,12 +29,25 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard parameters over the mesh: one FSDP unit per decoder layer, one for the rest."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard parameters over the mesh: one FSDP unit per decoder layer, one for the rest.
+
+    With ``compute_dtype`` each unit's gathered parameters are cast to it for forward and backward,
+    while the sharded parameters (what the optimizer updates and checkpoints save) keep their dtype
+    and gradients are reduced in float32: mixed precision with master weights.
+    """
+    policy = MixedPrecisionPolicy() if compute_dtype is None else MixedPrecisionPolicy(
+        param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def compute_dtype(cfg: TetherConfig) -> torch.dtype | None:
+    """train.compute_dtype as a torch dtype; None when it is unset or model.dtype already (no cast)."""
+    name = cfg.train.compute_dtype
+    return None if name is None or name == cfg.model.dtype else DTYPES[name]
 
 
 def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
