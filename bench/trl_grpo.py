@@ -27,20 +27,36 @@ def exact_match(completions: list[str], label: list[str], **_) -> list[float]:
 
 
 class StepClock(TrainerCallback):
-    """Wall time of each optimizer step (generation + scoring + forward/backward + optimizer)."""
+    """Wall time of each optimizer step (generation + scoring + forward/backward + optimizer), and the
+    part of it in GRPOTrainer._generate_and_score_completions (generation, rewards, advantages, and the
+    old-log-prob pass when one runs)."""
 
     def __init__(self):
         self.rows: list[dict] = []
         self.first_step_at: float | None = None
         self._began = 0.0
+        self._generate_s = 0.0
+
+    def time_generation(self, trainer: GRPOTrainer) -> None:
+        inner = trainer._generate_and_score_completions
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._generate_s += time.perf_counter() - start
+
+        trainer._generate_and_score_completions = timed
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._began = time.perf_counter()
+        self._generate_s = 0.0
         if self.first_step_at is None:
             self.first_step_at = self._began - START
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.rows.append({"seconds": time.perf_counter() - self._began})
+        self.rows.append({"seconds": time.perf_counter() - self._began, "generate_s": self._generate_s})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs and self.rows:
@@ -54,7 +70,7 @@ def main() -> None:
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
     batch = setup["prompts_per_step"] * setup["samples_per_prompt"]
     config = GRPOConfig(
-        output_dir=setup["out_dir"], seed=setup["seed"], use_cpu=True, bf16=False, report_to=[],
+        output_dir=setup["out_dir"], seed=setup["seed"], use_cpu=True, bf16=setup["bf16"], report_to=[],
         save_strategy="no", logging_steps=1, max_steps=setup["steps"], shuffle_dataset=True,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=setup["samples_per_prompt"], num_iterations=1,  # one optimizer step per generation
@@ -68,6 +84,7 @@ def main() -> None:
     clock = StepClock()
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
+    clock.time_generation(trainer)
     trainer.train()
     with open(sys.argv[2], "w") as f:
         json.dump({"steps": clock.rows, "first_step_at_s": clock.first_step_at}, f)

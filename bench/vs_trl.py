@@ -1,6 +1,6 @@
 """tether against TRL's GRPOTrainer: the same RL step on the same model, prompts and reward, one after the other.
 
-    python bench/vs_trl.py                        # tiny (0.4M) and 20m (19M) models, 12 steps each (~15 min)
+    python bench/vs_trl.py                        # tiny (0.4M) and 20m (19M), float32 and bfloat16 (~20 min)
     python bench/vs_trl.py --sizes tiny --steps 8 # a quick look
 
 TRL goes into its own virtual environment on first use (bench/.venv-trl: torch==2.13.0 CPU, TRL pinned
@@ -8,11 +8,14 @@ below), so tether's environment is untouched. Per model size: the suite's `rever
 (recipes/suite: "rev:abcde=" -> "edcba"), a random Qwen2 warmed up by a short `tether sft` on the
 sloppy teacher (so both start from the same model with rewards between 0 and 1), then GRPO with:
 
-    32 prompts x 8 samples, up to 14 new tokens, temperature 1, float32, exact-match reward,
+    32 prompts x 8 samples, up to 14 new tokens, temperature 1, float32 weights, exact-match reward,
     one optimizer step per batch, AdamW lr 1e-5 constant, clip 0.2 / 0.28, token-mean loss over the
     batch (TRL's "dapo"), group-normalised advantages, no KL term (no reference model), grad clip 1.
 
-Prints, per size: seconds per step (median / min / max after --skip warm-up steps) of each, the ratio
+Each size runs twice: computing in float32, and in bfloat16 with float32 weights (mixed precision:
+tether's train.compute_dtype, TRL's bf16=True through accelerate's autocast).
+
+Prints, per size and compute dtype: seconds per step (median / min / max after --skip warm-up steps) of each, the ratio
 tether / TRL, the start-up of each (process start to the first step), and the mean reward per step.
 
 What differs, by design of each framework: tether generates in its engine process (continuous
@@ -81,8 +84,9 @@ def prepare(size: str, out: Path, log: Path) -> Path:
     return sft_hf
 
 
-def settings(args: argparse.Namespace, model: Path, prompts: Path) -> dict:
-    return {"model": str(model), "prompts": str(prompts), "steps": args.steps, "prompts_per_step": 32,
+def settings(args: argparse.Namespace, model: Path, prompts: Path, compute: str) -> dict:
+    return {"model": str(model), "prompts": str(prompts), "steps": args.steps, "bf16": compute == "bfloat16",
+            "prompts_per_step": 32,
             "samples_per_prompt": 8, "max_new_tokens": 14, "temperature": 1.0, "lr": 1e-5, "clip_low": 0.2,
             "clip_high": 0.28, "grad_clip": 1.0, "seed": 0, "threads": os.cpu_count() or 1}
 
@@ -96,7 +100,8 @@ def run_tether(s: dict, out: Path, log: Path) -> dict:
                     "temperature": s["temperature"], "reward": "exact_match"},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "eps_clip_low": s["clip_low"],
                       "eps_clip_high": s["clip_high"], "loss_agg_mode": "token_mean", "kl_loss_coef": 0.0},
-        "train": {"global_batch_size": n, "micro_batch_size": n, "lr": s["lr"], "grad_clip": s["grad_clip"]},
+        "train": {"global_batch_size": n, "micro_batch_size": n, "lr": s["lr"], "grad_clip": s["grad_clip"],
+                  **({"compute_dtype": "bfloat16"} if s["bf16"] else {})},
         "eval": {"interval": None, "datasets": []},
         "checkpoint": {"save_interval": None},
         "tracking": {"tensorboard": False},
@@ -120,7 +125,8 @@ def run_trl(s: dict, out: Path, log: Path) -> dict:
     wall = run([str(trl_python()), str(ROOT / "bench" / "trl_grpo.py"), str(setup), str(result)], log)
     data = json.loads(result.read_text())
     return {"seconds": [r["seconds"] for r in data["steps"]], "rewards": [r.get("reward", float("nan")) for r in data["steps"]],
-            "startup_s": data["first_step_at_s"], "wall_s": wall}
+            "startup_s": data["first_step_at_s"], "wall_s": wall,
+            "generate_s": statistics.median(r["generate_s"] for r in data["steps"][1:])}
 
 
 def stats(seconds: list[float], skip: int) -> tuple[float, float, float]:
@@ -135,23 +141,27 @@ def params(model: Path) -> float:
 
 
 def report(results: list[dict], skip: int) -> str:
-    lines = ["| model | params | tether s/step (median, min-max) | TRL s/step (median, min-max) | tether / TRL "
-             "| start-up tether / TRL |", "|---|---|---|---|---|---|"]
+    lines = ["| model | params | compute | tether s/step (median, min-max) | TRL s/step (median, min-max) "
+             "| tether / TRL | start-up tether / TRL |", "|---|---|---|---|---|---|---|"]
     for r in results:
         t, h = stats(r["tether"]["seconds"], skip), stats(r["trl"]["seconds"], skip)
-        lines.append(f"| {r['size']} | {r['params']:.1f}M | {t[0]:.3f} ({t[1]:.3f}-{t[2]:.3f}) | "
+        lines.append(f"| {r['size']} | {r['params']:.1f}M | {r['compute']} | {t[0]:.3f} ({t[1]:.3f}-{t[2]:.3f}) | "
                      f"{h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f}) | **{t[0] / h[0]:.2f}x** | "
                      f"{r['tether']['startup_s']:.1f} s / {r['trl']['startup_s']:.1f} s |")
     lines.append("")
     for r in results:
         for name in ("tether", "trl"):
             curve = " ".join(f"{x:.2f}" for x in r[name]["rewards"])
-            lines.append(f"reward per step, {r['size']}, {name:>6}: {curve}")
+            lines.append(f"reward per step, {r['size']} {r['compute']}, {name:>6}: {curve}")
     lines.append("")
     for r in results:
         phases = ", ".join(f"{k.removeprefix('timing/').removesuffix('_s')} {v:.3f}"
                            for k, v in r["tether"]["phases"].items() if k != "timing/rollout_s")
-        lines.append(f"tether's step on {r['size']}, median seconds: {phases}")
+        lines.append(f"tether's step on {r['size']} {r['compute']}, median seconds: {phases}")
+        t, h = statistics.median(r["tether"]["seconds"]), statistics.median(r["trl"]["seconds"])
+        tg = r["tether"]["phases"]["timing/generate_s"] + r["tether"]["phases"].get("timing/rollout_fn_overhead_s", 0.0)
+        lines.append(f"  against TRL's: generate + score {tg:.3f} vs {r['trl']['generate_s']:.3f}, the rest "
+                     f"(train, push, calls) {t - tg:.3f} vs {h - r['trl']['generate_s']:.3f}")
     return "\n".join(lines)
 
 
@@ -160,6 +170,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,20m", help="comma-separated, of tiny, 4m, 20m (recipes/suite/prepare.py)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the step statistics")
+    parser.add_argument("--compute", default="float32,bfloat16",
+                        help="float32, and/or bfloat16: mixed precision in both (tether's train.compute_dtype, "
+                             "TRL's bf16=True), float32 weights")
     parser.add_argument("--out", default="runs/vs_trl")
     args = parser.parse_args()
     trl_python()  # install first, so the timed runs do not wait for it
@@ -169,13 +182,14 @@ def main() -> None:
         log = out / "log.txt"
         out.mkdir(parents=True, exist_ok=True)
         model = prepare(size, out, log)
-        s = settings(args, model, out / "data" / "train.jsonl")
-        print(f"[vs_trl] {size}: tether ...", flush=True)
-        tether = run_tether(s, out / "tether", log)
-        print(f"[vs_trl] {size}: TRL ...", flush=True)
-        trl = run_trl(s, Path(tempfile.mkdtemp(prefix="trl-", dir=out)), log)
-        results.append({"size": size, "params": params(model), "tether": tether, "trl": trl})
-        (out / "result.json").write_text(json.dumps(results[-1], indent=1))
+        for compute in args.compute.split(","):
+            s = settings(args, model, out / "data" / "train.jsonl", compute)
+            print(f"[vs_trl] {size} {compute}: tether ...", flush=True)
+            tether = run_tether(s, out / f"tether-{compute}", log)
+            print(f"[vs_trl] {size} {compute}: TRL ...", flush=True)
+            trl = run_trl(s, Path(tempfile.mkdtemp(prefix=f"trl-{compute}-", dir=out)), log)
+            results.append({"size": size, "compute": compute, "params": params(model), "tether": tether, "trl": trl})
+            (out / f"result-{compute}.json").write_text(json.dumps(results[-1], indent=1))
     print(report(results, args.skip))
 
 
