@@ -152,7 +152,13 @@ class RolloutConfig(Section):
     """Groups started at the beginning of a rollout, at least prompts_per_rollout (None: exactly that);
     as groups are dropped, more start, up to this many not dropped at a time."""
     max_concurrent_groups: int | None = Field(None, ge=1)
-    """Most groups generating at once (each is one request to an engine). None: over_sampling_groups."""
+    """Most groups generating at once. None: over_sampling_groups."""
+    groups_per_request: int = Field(1, ge=1)
+    """Groups started together go to an engine in requests of up to this many groups; a request's
+    groups finish, are scored and are judged by the filter together. 1: every group is scored as
+    soon as it finishes. On a CPU engine each request costs a few ms of HTTP handling that competes
+    with decoding, which shows when responses are short (see the README's comparison with TRL).
+    With a custom generate function, groups go one by one."""
     partial_rollout: bool = False
     """Groups still generating when a rollout has its groups (with over-sampling) are aborted but kept,
     with what they generated, and continued first by the next rollout (tether/rollout/buffer.py)."""

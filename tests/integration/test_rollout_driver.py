@@ -69,6 +69,41 @@ def test_dynamic_filter_keeps_exactly_the_first_passing_groups(engine, waves):
         assert result.consumed == 6 and m["rollout/groups_started"] >= 6
 
 
+@pytest.mark.parametrize("per_request", [2, 3])
+def test_groups_sharing_a_request_give_the_same_groups_and_tokens(engine, per_request):
+    """groups_per_request batches groups started together: the same kept groups, samples and filter
+    decisions as one request per group, in fewer requests."""
+    requests = []
+
+    def counting(driver):
+        inner = driver.fleet.generate
+
+        async def generate(client, samples, *args, **kwargs):
+            requests.append(sorted({s.group_index for s in samples}))
+            return await inner(client, samples, *args, **kwargs)
+
+        driver.fleet.generate = generate
+        return driver
+
+    def drive(k):
+        requests.clear()
+        driver = counting(GroupDriver(EngineFleet([engine.url], timeout_s=60), timeout_s=60))
+        schedule = Schedule(need=4, over_sampling_groups=6, max_concurrent_groups=5, waves=False, groups_per_request=k)
+        result = driver.run(groups(12), schedule, SamplingParams(temperature=1.0, max_new_tokens=6), 3,
+                            reward_by_prompt, nonzero_reward_std, "test rollout")
+        return result, list(requests)
+
+    one, one_requests = drive(1)
+    many, many_requests = drive(per_request)
+    assert [g[0].prompt_index for g in many.kept] == [g[0].prompt_index for g in one.kept] == [1, 2, 4, 5]
+    assert [[s.response_ids for s in g] for g in many.kept] == [[s.response_ids for s in g] for g in one.kept]
+    assert all(len(r) == 1 for r in one_requests)
+    # The first requests carry per_request groups each (max_concurrent_groups=5 caps the last of them).
+    assert many_requests[0] == list(range(per_request)) and max(len(r) for r in many_requests) == per_request
+    assert len(many_requests) < len(one_requests)
+    assert many.metrics["rollout/groups_dropped/all_correct"] == 2
+
+
 def test_data_running_out_is_reported(engine):
     result = run(engine, Schedule(need=4, over_sampling_groups=4, max_concurrent_groups=None, waves=False),
                  reward_by_prompt, nonzero_reward_std, count=4)

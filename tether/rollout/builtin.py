@@ -58,7 +58,8 @@ async def builtin_rollout(ctx: RolloutContext, rollout_id: int, data_source: Rol
 async def _eval(ctx: RolloutContext, data_source: EvalDataSource) -> RolloutOutput:
     groups = data_source.get_samples()
     schedule = Schedule(need=len(groups), over_sampling_groups=len(groups),
-                        max_concurrent_groups=ctx.cfg.rollout.max_concurrent_groups, waves=ctx.cfg.deterministic)
+                        max_concurrent_groups=ctx.cfg.rollout.max_concurrent_groups, waves=ctx.cfg.deterministic,
+                        groups_per_request=ctx.cfg.rollout.groups_per_request)
     result = await ctx.driver.arun(iter(groups), schedule, ctx.params, ctx.seed, ctx.score_group, keep_all, ctx.what,
                                    evaluation=True)
     return RolloutOutput(result.kept, {})

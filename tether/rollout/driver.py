@@ -77,6 +77,8 @@ class Schedule:
     waves: bool
     keep_first_finished: bool = False
     """Keep the first ``need`` groups to finish and pass (streaming only), not the first in start order."""
+    groups_per_request: int = 1
+    """Groups started together share a request, up to this many (streaming; waves split by engine)."""
 
 
 class GroupDriver:
@@ -167,9 +169,15 @@ class _Run:
             samples[:] = await self.custom.generate_group(spec, list(samples), self.params, url, self.client, seeds,
                                                           rids, lambda: self.cut, self.timeout_s, self.evaluation)
 
-    async def _group(self, item: Started) -> None:
-        await self._generate(item.samples, len(item.samples), f"{self.what}, group {item.start}")
-        await self._judge(item)
+    async def _groups(self, items: list[Started]) -> None:
+        """Generate these groups in one request (a generate function: each its own way), then judge them."""
+        if len(items) == 1 or self.custom is not None:
+            await asyncio.gather(*(self._generate(item.samples, len(item.samples), f"{self.what}, group {item.start}")
+                                   for item in items))
+        else:
+            await self._generate([s for item in items for s in item.samples], len(items[0].samples),
+                                 f"{self.what}, groups {items[0].start}..{items[-1].start}")
+        await asyncio.gather(*(self._judge(item) for item in items))
 
     def _cutoff(self) -> list[Started] | None:
         """The ``need`` kept groups, in start order, once they are known."""
@@ -189,16 +197,27 @@ class _Run:
     def _live(self) -> int:
         return sum(item.kept is not False for item in self.started)
 
-    async def streaming(self) -> DriverResult:
-        tasks: dict[asyncio.Task, Started] = {}
+    def _start(self, tasks: dict[asyncio.Task, list[Started]]) -> None:
+        """Start groups while there is room, in requests of up to groups_per_request groups."""
         cap = self.s.max_concurrent_groups or self.s.over_sampling_groups
+        in_flight = sum(len(items) for items in tasks.values())
+        batch: list[Started] = []
+        while not self.exhausted and in_flight + len(batch) < cap and self._live() < self.s.over_sampling_groups:
+            item = self._next()
+            if item is not None:
+                batch.append(item)
+            if batch and (len(batch) == self.s.groups_per_request or item is None):
+                tasks[asyncio.create_task(self._groups(batch))] = batch
+                in_flight, batch = in_flight + len(batch), []
+        if batch:
+            tasks[asyncio.create_task(self._groups(batch))] = batch
+
+    async def streaming(self) -> DriverResult:
+        tasks: dict[asyncio.Task, list[Started]] = {}
         try:
             cutoff = None
             while cutoff is None:
-                while not self.exhausted and len(tasks) < cap and self._live() < self.s.over_sampling_groups:
-                    item = self._next()
-                    if item is not None:
-                        tasks[asyncio.create_task(self._group(item))] = item
+                self._start(tasks)
                 if not tasks:
                     break
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -207,11 +226,11 @@ class _Run:
                     task.result()  # a failed generation or reward fails the rollout here
                 cutoff = self._cutoff()
             self.cut = True
-            await self._abort([tasks[t] for t in tasks])
+            await self._abort([item for items in tasks.values() for item in items])
             await asyncio.gather(*tasks)
         except BaseException:
             self.cut = True  # generate functions start no new turn
-            await self._abort_quietly(list(tasks.values()))
+            await self._abort_quietly([item for items in tasks.values() for item in items])
             raise
         return self._result(cutoff)
 

@@ -187,7 +187,7 @@ class RolloutManager:
         self.rollout_fn = load_rollout_fn(r.custom_rollout_fn) if r.custom_rollout_fn else None
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
                                  max_concurrent_groups=r.max_concurrent_groups, waves=self.cfg.deterministic,
-                                 keep_first_finished=r.keep_order == "finish")
+                                 keep_first_finished=r.keep_order == "finish", groups_per_request=r.groups_per_request)
         self.eval_sets = [EvalSet(e, rows, make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
                           for i, (e, rows) in enumerate(eval_rows)]
         self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
