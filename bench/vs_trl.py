@@ -22,7 +22,9 @@ What differs, by design of each framework: tether generates in its engine proces
 batching; each sequence stops at its EOS) and pushes the new weights into it after every step (in
 the step time); TRL generates with HF `generate` in the training process (padded batch, runs until
 every sequence has stopped) and needs no weight push. tether's step time also includes Ray calls
-and moving the batch through the object store. Advantages: TRL divides by the unbiased group std
+and moving the batch through the object store. tether sends the 32 groups to its engine in 4
+requests of 8 (rollout.groups_per_request: 8; the default, one request per group, gives the same
+tokens and costs ~0.07 s more per step on the tiny model). Advantages: TRL divides by the unbiased group std
 + 1e-4, tether by the population std + 1e-6. The prompts are drawn in each framework's own
 shuffled order, so the reward curves are comparable in trend, not step by step.
 """
@@ -97,7 +99,9 @@ def run_tether(s: dict, out: Path, log: Path) -> dict:
         "output_dir": str(out), "seed": s["seed"], "model": {"path": s["model"]}, "data": {"path": s["prompts"]},
         "rollout": {"num_rollout": s["steps"], "prompts_per_rollout": s["prompts_per_step"],
                     "n_samples_per_prompt": s["samples_per_prompt"], "max_response_len": s["max_new_tokens"],
-                    "temperature": s["temperature"], "reward": "exact_match"},
+                    "temperature": s["temperature"], "reward": "exact_match",
+                    # 4 requests of 8 groups instead of 32 of one: the same tokens, less HTTP per step
+                    "groups_per_request": 8},
         "algorithm": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "eps_clip_low": s["clip_low"],
                       "eps_clip_high": s["clip_high"], "loss_agg_mode": "token_mean", "kl_loss_coef": 0.0},
         "train": {"global_batch_size": n, "micro_batch_size": n, "lr": s["lr"], "grad_clip": s["grad_clip"],
