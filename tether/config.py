@@ -170,6 +170,15 @@ class RolloutConfig(Section):
     partial_rollout (so no aborted group is lost) and deterministic: false."""
     mask_offpolicy_partial: bool = False
     """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
+    max_staleness: int = Field(0, ge=0)
+    """Weight versions a trained sample may lag the policy being updated. 0: the synchronous loop
+    (generate, then train). 1 with async_mode one_step_off: rollout k+1 generates while the trainer
+    trains on rollout k (tether/loop_async.py). Needs cluster.colocate: false."""
+    async_mode: Literal["one_step_off"] = "one_step_off"
+    """How generation overlaps training when max_staleness > 0. one_step_off (slime's train_async):
+    the next rollout generates, under the weights of one step before, while the trainer trains; the
+    weights are pushed once both are done. The pipeline drains before a checkpoint or an eval, so a
+    resumed run is identical to an uninterrupted one."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
     """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
     groups that passed (with a warning), or stop the run with an error."""
@@ -462,6 +471,15 @@ class TetherConfig(Section):
                              "combined with deterministic: true (use keep_order: start)")
         if self.cluster.offload and not self.cluster.colocate:
             raise ValueError("cluster.offload=true needs cluster.colocate=true (only colocated parts take turns)")
+        if self.rollout.max_staleness and self.cluster.colocate:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} overlaps generation and training, "
+                             "so engines need their own bundles: set cluster.colocate=false")
+        if self.rollout.max_staleness > 1:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness}: async_mode one_step_off is one "
+                             "version behind at most; use max_staleness 1")
+        if self.rollout.max_staleness and self.debug.load_rollouts is not None:
+            raise ValueError("rollout.max_staleness > 0 overlaps generation with training; debug.load_rollouts "
+                             "replays saved rollouts without engines: use one or the other")
         if self.train.min_lr > self.train.lr:
             raise ValueError(f"train.min_lr={self.train.min_lr} is larger than train.lr={self.train.lr}")
         buffer = self.rollout.overlong_buffer_len

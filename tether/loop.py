@@ -1,4 +1,5 @@
-"""The synchronous RL loop, in the order DESIGN.md gives. It takes its parts as handles.
+"""The synchronous RL loop, in the order DESIGN.md gives. It takes its parts as handles; its pieces
+(begin, save, push_eval_log) also make up the one-step-off loop in loop_async.py.
 
     generate(k) -> [offload engines] -> train(k) -> [save] -> [offload trainer, onload weights]
     -> push weights -> [onload kv cache] -> [eval]
@@ -94,10 +95,9 @@ def sync_weights(trainer: Trainer, rollout: Rollout, version: int, offload: bool
     return metrics
 
 
-def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, tracker: Tracker,
-             progress: Any = None, startup: Startup | None = None) -> None:
-    """Rollouts plan.start .. plan.num_rollout - 1. Weights are pushed once before the first one.
-    ``startup``: the run's start-up clock, completed with the first push and eval, then printed."""
+def begin(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, startup: Startup | None) -> None:
+    """Before the first rollout: push the weights, eval the starting policy (or redo a lost eval when
+    resuming), and complete and print the start-up clock."""
     first = sync_weights(trainer, rollout, plan.start, plan.offload)
     if startup is not None:
         startup.lap("first weight push")
@@ -118,6 +118,42 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
             tracker.log(plan.start, rollout.eval(plan.start), total=plan.num_rollout)
         if startup is not None:
             startup.report()
+
+
+def save(trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, rollout_id: int, metrics: dict) -> None:
+    """Checkpoint after rollout_id's train step: trainer and rollout state, then the commit."""
+    t_save = time.perf_counter()
+    staging = checkpointer.stage(rollout_id)
+    trainer.save(staging)
+    crash_point("save", rollout_id)  # the staging directory is half written here
+    rollout.save_state(staging)
+    metrics["timing/save_s"] = time.perf_counter() - t_save
+    # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
+    # must not lose the row of a rollout that a resume will not redo.
+    checkpointer.commit(rollout_id, {"step": rollout_id + 1, **{k: v for k, v in metrics.items() if k != "warnings"}})
+    crash_point("committed", rollout_id)
+
+
+def push_eval_log(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, progress: Any,
+                  rollout_id: int, metrics: dict, t0: float) -> None:
+    """The end of rollout_id's iteration: push the new weights, eval when due, log the row."""
+    sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
+    metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
+    metrics.update(sync)
+    if plan.eval_due(rollout_id):
+        merge(metrics, rollout.eval(rollout_id + 1))
+    metrics["timing/rollout_s"] = time.perf_counter() - t0
+    # Step k+1 = the policy after k+1 updates, so eval at step 0 is the starting policy.
+    tracker.log(rollout_id + 1, metrics, total=plan.num_rollout)
+    if progress is not None:
+        progress.update(1)
+
+
+def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, tracker: Tracker,
+             progress: Any = None, startup: Startup | None = None) -> None:
+    """Rollouts plan.start .. plan.num_rollout - 1. Weights are pushed once before the first one.
+    ``startup``: the run's start-up clock, completed with the first push and eval, then printed."""
+    begin(plan, trainer, rollout, tracker, startup)
     for rollout_id in range(plan.start, plan.num_rollout):
         t0 = time.perf_counter()
         batch_ref, metrics = rollout.generate(rollout_id)
@@ -126,24 +162,5 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
             trainer.onload()
         merge(metrics, trainer.train(rollout_id, batch_ref))
         if plan.save_due(rollout_id):
-            t_save = time.perf_counter()
-            staging = checkpointer.stage(rollout_id)
-            trainer.save(staging)
-            crash_point("save", rollout_id)  # the staging directory is half written here
-            rollout.save_state(staging)
-            metrics["timing/save_s"] = time.perf_counter() - t_save
-            # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
-            # must not lose the row of a rollout that a resume will not redo.
-            checkpointer.commit(rollout_id, {"step": rollout_id + 1,
-                                             **{k: v for k, v in metrics.items() if k != "warnings"}})
-            crash_point("committed", rollout_id)
-        sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
-        metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
-        metrics.update(sync)
-        if plan.eval_due(rollout_id):
-            merge(metrics, rollout.eval(rollout_id + 1))
-        metrics["timing/rollout_s"] = time.perf_counter() - t0
-        # Step k+1 = the policy after k+1 updates, so eval at step 0 is the starting policy.
-        tracker.log(rollout_id + 1, metrics, total=plan.num_rollout)
-        if progress is not None:
-            progress.update(1)
+            save(trainer, rollout, checkpointer, rollout_id, metrics)
+        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0)

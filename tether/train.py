@@ -11,6 +11,7 @@ from tether.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
 from tether.loop import LoopPlan, run_loop
+from tether.loop_async import run_one_step_off
 from tether.resume import check_resume_config, trim_jsonl
 from tether.run_dir import claim
 from tether.trainer.actor import TRAINED_SAMPLES
@@ -116,8 +117,10 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
             for warning in rollout.info["warnings"]:
                 tracker.warn(warning)
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
-            run_loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar,
-                     startup=clock)
+            # max_staleness > 0: the next rollout generates during each train step (tether/loop_async.py)
+            loop = run_one_step_off if cfg.rollout.max_staleness else run_loop
+            loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar,
+                 startup=clock)
             if cfg.checkpoint.export_hf:
                 trainer.save_hf(str(Path(cfg.output_dir) / "hf"))
         return tracker.finish()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -71,11 +72,15 @@ class RolloutHandle:
     def generate(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, float]]:
         """(reference to the TrainBatch, metrics). Only the metrics are fetched to the driver."""
         start = time.perf_counter()
+        batch_ref, metrics = self.submit_generate(rollout_id).result()
+        metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics[MANAGER_SECONDS]
+        return batch_ref, {k: v for k, v in metrics.items() if k != MANAGER_SECONDS}
+
+    def submit_generate(self, rollout_id: int) -> PendingGenerate:
+        """Start rollout_id on the rollout manager and return at once (one-step-off training)."""
         batch_ref, metrics_ref = self.actor.generate.options(num_returns=2).remote(rollout_id)
         crash_point("generate", rollout_id)
-        metrics = self._get_from_engines(metrics_ref, f"generate(rollout {rollout_id})")
-        metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics.pop(MANAGER_SECONDS)
-        return batch_ref, metrics
+        return PendingGenerate(self, rollout_id, batch_ref, metrics_ref)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self._get_from_engines(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")
@@ -96,3 +101,16 @@ class RolloutHandle:
         ray.kill(self.actor)
         for engine in self.engines:
             ray.kill(engine)
+
+
+@dataclass
+class PendingGenerate:
+    """A rollout started on the rollout manager; ``result()`` waits for it (with the call timeout)."""
+
+    handle: RolloutHandle
+    rollout_id: int
+    batch_ref: ray.ObjectRef
+    metrics_ref: ray.ObjectRef
+
+    def result(self) -> tuple[ray.ObjectRef, dict[str, float]]:
+        return self.batch_ref, self.handle._get_from_engines(self.metrics_ref, f"generate(rollout {self.rollout_id})")

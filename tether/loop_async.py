@@ -1,0 +1,62 @@
+"""One-step-off asynchronous training (slime's train_async): rollout k+1 generates while the trainer
+trains on rollout k.
+
+    generate(k)  ──────────────▶ train(k) ─┐            (k+1 overlaps train(k))
+                  submit(k+1) ─ generate(k+1) ─┴─ wait both ─ push weights v(k+1) ─ submit(k+2) ...
+
+Rollout k+1 is sampled under the weights of one step before (v(k), pushed after train(k-1)), so each
+trained sample is at most one version stale; the engines report the version of every sample's tokens
+and the existing rollout correction applies against their log-probs. Weights are pushed only once
+the rollout in flight is done, never under running requests.
+
+The pipeline drains before a checkpoint or an eval: after such a step the next rollout is generated
+after the push, as the synchronous loop does. A run resumed from that checkpoint therefore starts
+exactly where the uninterrupted run stood, and continues identically.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from tether.loop import Checkpointer, LoopPlan, Rollout, Startup, Tracker, Trainer, begin, merge, push_eval_log, save
+
+
+class PendingRollout(Protocol):
+    def result(self) -> tuple[Any, dict[str, float]]: ...
+
+
+class AsyncRollout(Rollout, Protocol):
+    def submit_generate(self, rollout_id: int) -> PendingRollout:
+        """Start generating rollout_id and return at once; ``result()`` waits for (batch_ref, metrics)."""
+        ...
+
+
+def overlaps(plan: LoopPlan, rollout_id: int) -> bool:
+    """Whether rollout_id + 1 may generate during rollout_id's train step: not past the end, and not
+    when a checkpoint or an eval follows the step (they need the engines on the new weights)."""
+    return rollout_id + 1 < plan.num_rollout and not plan.save_due(rollout_id) and not plan.eval_due(rollout_id)
+
+
+def run_one_step_off(plan: LoopPlan, trainer: Trainer, rollout: AsyncRollout, checkpointer: Checkpointer,
+                     tracker: Tracker, progress: Any = None, startup: Startup | None = None) -> None:
+    """Rollouts plan.start .. plan.num_rollout - 1, each generated during the previous one's train step
+    where ``overlaps`` allows. Logs ``async/staleness`` (1 for an overlapped rollout, else 0) and
+    ``timing/generate_wait_s`` (the trainer's wait for the rollout in flight after its step)."""
+    begin(plan, trainer, rollout, tracker, startup)
+    ready: tuple[Any, dict[str, float]] | None = None  # the next rollout, generated during the last step
+    for rollout_id in range(plan.start, plan.num_rollout):
+        t0 = time.perf_counter()
+        stale = ready is not None
+        batch_ref, metrics = ready if ready is not None else rollout.generate(rollout_id)
+        metrics["async/staleness"] = float(stale)
+        pending = rollout.submit_generate(rollout_id + 1) if overlaps(plan, rollout_id) else None
+        merge(metrics, trainer.train(rollout_id, batch_ref))
+        if plan.save_due(rollout_id):
+            save(trainer, rollout, checkpointer, rollout_id, metrics)
+        ready = None
+        if pending is not None:
+            t_wait = time.perf_counter()
+            ready = pending.result()
+            metrics["timing/generate_wait_s"] = time.perf_counter() - t_wait
+        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0)
