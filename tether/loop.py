@@ -134,15 +134,32 @@ def save(trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, rollout
     crash_point("committed", rollout_id)
 
 
+def perf_metrics(iteration_s: float, train_s: float | None, generate_s: float | None,
+                 samples: float | None) -> dict[str, float]:
+    """Throughput and idle shares of one iteration: samples trained per second, and the share of the
+    iteration the trainer was not training and the engines were not generating rollouts."""
+    out = {}
+    if samples is not None:
+        out["perf/samples_per_s"] = samples / iteration_s
+    if train_s is not None:
+        out["perf/train_idle_frac"] = max(0.0, 1.0 - train_s / iteration_s)
+    if generate_s is not None:
+        out["perf/rollout_idle_frac"] = max(0.0, 1.0 - generate_s / iteration_s)
+    return out
+
+
 def push_eval_log(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, progress: Any,
-                  rollout_id: int, metrics: dict, t0: float) -> None:
-    """The end of rollout_id's iteration: push the new weights, eval when due, log the row."""
+                  rollout_id: int, metrics: dict, t0: float, generate_s: float | None) -> None:
+    """The end of rollout_id's iteration: push the new weights, eval when due, log the row.
+    ``generate_s``: the engines' rollout generation during this iteration (for perf/*)."""
     sync = sync_weights(trainer, rollout, rollout_id + 1, plan.offload)
     metrics["timing/weight_sync_s"] = sync.pop("weight_sync/seconds", 0.0)
     metrics.update(sync)
     if plan.eval_due(rollout_id):
         merge(metrics, rollout.eval(rollout_id + 1))
     metrics["timing/rollout_s"] = time.perf_counter() - t0
+    metrics.update(perf_metrics(metrics["timing/rollout_s"], metrics.get("timing/train_s"), generate_s,
+                                metrics.get("rollout/samples")))
     # Step k+1 = the policy after k+1 updates, so eval at step 0 is the starting policy.
     tracker.log(rollout_id + 1, metrics, total=plan.num_rollout)
     if progress is not None:
@@ -163,4 +180,4 @@ def run_loop(plan: LoopPlan, trainer: Trainer, rollout: Rollout, checkpointer: C
         merge(metrics, trainer.train(rollout_id, batch_ref))
         if plan.save_due(rollout_id):
             save(trainer, rollout, checkpointer, rollout_id, metrics)
-        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0)
+        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0, metrics.get("timing/generate_s"))

@@ -42,7 +42,8 @@ def run_one_step_off(plan: LoopPlan, trainer: Trainer, rollout: AsyncRollout, ch
                      tracker: Tracker, progress: Any = None, startup: Startup | None = None) -> None:
     """Rollouts plan.start .. plan.num_rollout - 1, each generated during the previous one's train step
     where ``overlaps`` allows. Logs ``async/staleness`` (1 for an overlapped rollout, else 0) and
-    ``timing/generate_wait_s`` (the trainer's wait for the rollout in flight after its step)."""
+    ``timing/generate_wait_s`` (the trainer's wait for the rollout in flight after its step); perf/*
+    counts an overlapped rollout's generation in the iteration it ran in."""
     begin(plan, trainer, rollout, tracker, startup)
     ready: tuple[Any, dict[str, float]] | None = None  # the next rollout, generated during the last step
     for rollout_id in range(plan.start, plan.num_rollout):
@@ -50,6 +51,8 @@ def run_one_step_off(plan: LoopPlan, trainer: Trainer, rollout: AsyncRollout, ch
         stale = ready is not None
         batch_ref, metrics = ready if ready is not None else rollout.generate(rollout_id)
         metrics["async/staleness"] = float(stale)
+        # Engine time in this iteration: this rollout's generation unless it ran during the last one.
+        generated_s = 0.0 if stale else metrics.get("timing/generate_s", 0.0)
         pending = rollout.submit_generate(rollout_id + 1) if overlaps(plan, rollout_id) else None
         merge(metrics, trainer.train(rollout_id, batch_ref))
         if plan.save_due(rollout_id):
@@ -59,4 +62,5 @@ def run_one_step_off(plan: LoopPlan, trainer: Trainer, rollout: AsyncRollout, ch
             t_wait = time.perf_counter()
             ready = pending.result()
             metrics["timing/generate_wait_s"] = time.perf_counter() - t_wait
-        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0)
+            generated_s += ready[1].get("timing/generate_s", 0.0)
+        push_eval_log(plan, trainer, rollout, tracker, progress, rollout_id, metrics, t0, generated_s)

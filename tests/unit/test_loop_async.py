@@ -123,3 +123,39 @@ def test_configs_that_cannot_overlap_are_refused_naming_the_fields(tmp_path, fie
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert all(word in str(err.value) for word in words), str(err.value)
+
+
+def test_perf_metrics():
+    from tether.loop import perf_metrics
+
+    assert perf_metrics(2.0, 0.5, 1.5, 64.0) == {"perf/samples_per_s": 32.0, "perf/train_idle_frac": 0.75,
+                                                 "perf/rollout_idle_frac": 0.25}
+    assert perf_metrics(1.0, None, None, None) == {}
+    assert perf_metrics(1.0, 3.0, 0.0, None)["perf/train_idle_frac"] == 0.0  # never negative
+
+
+def test_engine_time_counts_in_the_iteration_it_ran(monkeypatch):
+    """An overlapped rollout's generation counts in the iteration during which it ran (the one before
+    it trains), a synchronous one in its own."""
+    import tether.loop
+
+    seen = []
+    monkeypatch.setattr(tether.loop, "perf_metrics", lambda it, train, gen, samples: seen.append(gen) or {})
+
+    class Timed(AsyncFakeRollout):
+        def generate(self, rollout_id):
+            batch, metrics = super().generate(rollout_id)
+            return batch, {**metrics, "timing/generate_s": 10.0 + rollout_id}
+
+        def submit_generate(self, rollout_id):
+            pending = super().submit_generate(rollout_id)
+            inner = pending.result
+            pending.result = lambda: (lambda b, m: (b, {**m, "timing/generate_s": 10.0 + rollout_id}))(*inner())
+            return pending
+
+    calls: list = []
+    rollout = Timed(calls)
+    plan = _plan(num_rollout=4, num_rollout_per_epoch=100, save_interval=2, has_eval=False)
+    run_one_step_off(plan, VersionedTrainer(calls, rollout), rollout, FakeCheckpointer(calls), FakeTracker(calls))
+    # 0: generates 0 and, overlapped, 1; 1: drains (save); 2: generates 2 and 3; 3: nothing new.
+    assert seen == [10.0 + 11.0, 0.0, 12.0 + 13.0, 0.0]
