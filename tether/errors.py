@@ -7,6 +7,10 @@ catch them without importing the training stack.
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A config value is missing, unknown or inconsistent; the message names the field."""
+
+
 class NonFiniteError(RuntimeError):
     """Training produced NaN/inf: the step was not applied, nothing was saved or pushed."""
 

@@ -9,11 +9,11 @@ import yaml
 
 import tether.config as config_mod
 from tether.cli import main
+from tether.config_raw import apply_overrides
 from tether.config import (
     ConfigError,
     Section,
     TetherConfig,
-    apply_overrides,
     config_from_dict,
     dump_config,
     load_config,
