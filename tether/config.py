@@ -171,13 +171,24 @@ class RolloutConfig(Section):
     """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
     max_staleness: int = Field(0, ge=0)
     """Weight versions a trained sample may lag the policy being updated. 0: the synchronous loop
-    (generate, then train). 1 with async_mode one_step_off: rollout k+1 generates while the trainer
-    trains on rollout k (tether/loop_async.py). Needs cluster.colocate: false."""
-    async_mode: Literal["one_step_off"] = "one_step_off"
-    """How generation overlaps training when max_staleness > 0. one_step_off (slime's train_async):
-    the next rollout generates, under the weights of one step before, while the trainer trains; the
-    weights are pushed once both are done. The pipeline drains before a checkpoint or an eval, so a
-    resumed run is identical to an uninterrupted one."""
+    (generate, then train). > 0 overlaps generation with training as async_mode says; needs
+    cluster.colocate: false."""
+    async_mode: Literal["one_step_off", "fully_async"] = "one_step_off"
+    """How generation overlaps training when max_staleness > 0. one_step_off (slime's train_async,
+    max_staleness 1): the next rollout generates, under the weights of one step before, while the
+    trainer trains; the weights are pushed once both are done; the pipeline drains before a checkpoint
+    or an eval, so a resumed run is identical to an uninterrupted one (tether/loop_async.py).
+    fully_async: groups stream through the engines across train steps and each train step takes the
+    next prompts_per_rollout finished groups at most max_staleness versions old
+    (tether/rollout/stream.py)."""
+    stale_groups: Literal["retry", "drop"] = "retry"
+    """fully_async: a finished group older than max_staleness allows is generated again from its
+    prompt (retry) or left untrained (drop; rollouts/rollout_<id>_dropped_stale.jsonl lists them)."""
+    pause_mode: Literal["in_place", "recompute"] = "in_place"
+    """fully_async: what running requests do during a weight update. in_place: they hold and continue
+    under the new weights with their KV cache (each token's weight version is recorded). recompute:
+    they are aborted and continued after the update, their prompt and partial response prefilled
+    again under the new weights."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
     """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
     groups that passed (with a warning), or stop the run with an error."""
@@ -473,9 +484,7 @@ class TetherConfig(Section):
         if self.rollout.max_staleness and self.cluster.colocate:
             raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} overlaps generation and training, "
                              "so engines need their own bundles: set cluster.colocate=false")
-        if self.rollout.max_staleness > 1:
-            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness}: async_mode one_step_off is one "
-                             "version behind at most; use max_staleness 1")
+        self._check_async()
         if self.rollout.max_staleness and self.debug.load_rollouts is not None:
             raise ValueError("rollout.max_staleness > 0 overlaps generation with training; debug.load_rollouts "
                              "replays saved rollouts without engines: use one or the other")
@@ -491,6 +500,25 @@ class TetherConfig(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"eval.datasets names must be unique, got {names}")
         return self
+
+    def _check_async(self) -> None:
+        r = self.rollout
+        if r.async_mode == "one_step_off" and r.max_staleness > 1:
+            raise ValueError(f"rollout.max_staleness={r.max_staleness}: async_mode one_step_off is one version "
+                             "behind at most; use max_staleness 1, or rollout.async_mode: fully_async")
+        if r.async_mode == "fully_async" and not r.max_staleness:
+            raise ValueError("rollout.async_mode: fully_async needs rollout.max_staleness >= 1 (0 is the "
+                             "synchronous loop)")
+        if r.async_mode != "fully_async" or not r.max_staleness:
+            return
+        clashes = {"rollout.custom_rollout_fn": r.custom_rollout_fn, "rollout.custom_generate_fn": r.custom_generate_fn,
+                   "rollout.partial_rollout": r.partial_rollout, "rollout.over_sampling_groups": r.over_sampling_groups,
+                   "rollout.keep_order": r.keep_order != "start" and r.keep_order,
+                   "deterministic": self.deterministic}
+        named = [f"{name}={value}" for name, value in clashes.items() if value]
+        if named:
+            raise ValueError(f"rollout.async_mode: fully_async streams groups across train steps; "
+                             f"it does not combine with {', '.join(named)}")
 
     @property
     def global_batch_size(self) -> int:

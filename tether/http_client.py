@@ -4,6 +4,11 @@ httpx builds a new TLS context for every client it creates (loading the CA bundl
 a small CPU), even when every URL is plain http. The rollout makes clients per rollout and the
 remote reward per group, so that cost was paid on every step; one context, made on first use with
 httpx's own defaults (SSL_CERT_FILE / SSL_CERT_DIR, else certifi), serves them all.
+
+Idle keep-alive connections are dropped after KEEPALIVE_EXPIRY_S, below the 5 s after which uvicorn
+(SGLang's and vLLM's servers) closes them: with equal timeouts a long-lived client (the router, the
+fully async rollout stream) can send a request on a connection the server is closing that instant,
+and gets a ReadError for a request the engine never saw.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def async_client(timeout_s: float, **kwargs: Any) -> httpx.AsyncClient:
-    """``httpx.AsyncClient(timeout=timeout_s, **kwargs)`` with the shared TLS context."""
-    return httpx.AsyncClient(timeout=timeout_s, verify=tls_context(), **kwargs)
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def pool_limits(max_connections: int | None = 100, max_keepalive: int = 20) -> httpx.Limits:
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
+def async_client(timeout_s: float, limits: httpx.Limits | None = None, **kwargs: Any) -> httpx.AsyncClient:
+    """``httpx.AsyncClient(timeout=timeout_s, **kwargs)`` with the shared TLS context and pool_limits()."""
+    return httpx.AsyncClient(timeout=timeout_s, verify=tls_context(), limits=limits or pool_limits(), **kwargs)
+
+
+def sync_client(timeout_s: float) -> httpx.Client:
+    """``httpx.Client(timeout=timeout_s)`` with the shared TLS context and pool_limits()."""
+    return httpx.Client(timeout=timeout_s, verify=tls_context(), limits=pool_limits())

@@ -20,7 +20,10 @@ class ThreadedServer:
 
     def __init__(self, app, host: str, port: int, what: str):
         self.host, self.port, self.what = host, port or free_port(host), what
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        # Idle connections stay open longer than clients keep them (http_client.KEEPALIVE_EXPIRY_S), so
+        # the client, not the server, always closes one: no request is sent on a closing connection.
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                     timeout_keep_alive=60))
         self._thread = threading.Thread(target=self._server.run, name=what.replace(" ", "-"), daemon=True)
 
     @property

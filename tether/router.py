@@ -16,6 +16,8 @@ from typing import Iterator
 
 import httpx
 
+from tether.http_client import sync_client
+
 
 class NoHealthyWorker(RuntimeError):
     pass
@@ -35,7 +37,7 @@ class Router:
         self.timeout_s = timeout_s
         self._workers: dict[str, Worker] = {}
         self._lock = threading.Lock()
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = sync_client(timeout_s)
         for url in urls or []:
             self.add_worker(url)
 

@@ -84,11 +84,22 @@ class Sample:
         self._append(ids, list(logprobs), 1, text, weight_version)
 
     def add_reply(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str,
-                  weight_version: int) -> None:
+                  weight_version: int, version_spans: list[list[int]] | None = None) -> None:
         """Append one generation call's reply: its tokens (trained on), the call's span (an empty reply
         records an empty one; an abort before the first token, none), and the finish reason and status
-        it leaves the sample in."""
-        if ids:
+        it leaves the sample in. ``version_spans`` ([[version, tokens], ...], the engine's
+        meta_info.weight_version_spans): the reply's tokens came from several weight versions (an update
+        in place while it ran), one span each."""
+        if ids and version_spans and len(version_spans) > 1:
+            if sum(n for _, n in version_spans) != len(ids):
+                raise SampleError(f"{self.describe()}: weight_version_spans {version_spans} do not cover the "
+                                  f"{len(ids)} tokens of the reply")
+            start = 0
+            for k, (version, n) in enumerate(version_spans):
+                self.add_generated(ids[start:start + n], logprobs[start:start + n],
+                                   text if k == len(version_spans) - 1 else "", version)
+                start += n
+        elif ids:
             self.add_generated(ids, logprobs, text, weight_version)
         elif finish_reason != "abort":
             self.weight_versions = self.weight_versions + [int(weight_version)]

@@ -11,7 +11,7 @@ from tether.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
 from tether.loop import LoopPlan, run_loop
-from tether.loop_async import run_one_step_off
+from tether.loop_async import run_fully_async, run_one_step_off
 from tether.resume import check_resume_config, trim_jsonl
 from tether.run_dir import claim
 from tether.trainer.actor import TRAINED_SAMPLES
@@ -76,6 +76,13 @@ def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | N
                    wandb_mode=t.wandb_mode, console=t.console, step_label=step_label, resume_run_id=run_id)
 
 
+def pick_loop(cfg: TetherConfig):
+    """max_staleness > 0 overlaps generation with training (tether/loop_async.py)."""
+    if not cfg.rollout.max_staleness:
+        return run_loop
+    return run_fully_async if cfg.rollout.async_mode == "fully_async" else run_one_step_off
+
+
 def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
     """Run RL training as configured; returns the run summary. ``overwrite``: a fresh start may
     delete an earlier run's logs and checkpoints in its directories (else it refuses to start)."""
@@ -117,8 +124,7 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
             for warning in rollout.info["warnings"]:
                 tracker.warn(warning)
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
-            # max_staleness > 0: the next rollout generates during each train step (tether/loop_async.py)
-            loop = run_one_step_off if cfg.rollout.max_staleness else run_loop
+            loop = pick_loop(cfg)
             loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar,
                  startup=clock)
             if cfg.checkpoint.export_hf:

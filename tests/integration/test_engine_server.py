@@ -211,6 +211,33 @@ def test_prefix_cache_across_requests_flushed_on_demand_and_on_new_weights(clien
     assert client.get("/get_load").json()["prefix_cache"]["tokens"] == 0
 
 
+def test_weights_updated_in_place_under_a_paused_request_are_reported_per_span(client, server):
+    """A request held by /pause_generation keeps its KV cache, continues under the weights pushed
+    meanwhile, and its reply says which version sampled which tokens (meta_info.weight_version_spans)."""
+    version = server.core.engine.weight_version
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(out=gen(client, [5, 6], max_new_tokens=60, ignore_eos=True)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.core.load()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # a few tokens under the old weights
+    assert client.post("/pause_generation").json()["success"]
+    weights = {k: v.clone() for k, v in server.core.engine.model.state_dict().items() if "layers.0.mlp" in k}
+    reply = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(
+        save_safetensors(weights)).decode(), "weight_version": version + 1})
+    assert reply.json()["weight_version"] == version + 1
+    client.post("/continue_generation")
+    t.join(timeout=30)
+    meta = holder["out"]["meta_info"]
+    spans = meta["weight_version_spans"]
+    assert [v for v, _ in spans] == [version, version + 1] and all(n > 0 for _, n in spans), spans
+    assert sum(n for _, n in spans) == len(holder["out"]["output_ids"]) == 60
+    assert meta["weight_version"] == version + 1
+    # A request under one version has no spans list: the single weight_version says it all.
+    assert "weight_version_spans" not in gen(client, [5, 6], max_new_tokens=4)["meta_info"]
+
+
 def test_model_work_runs_on_the_worker_thread_even_while_paused(server):
     core = server.core
     core.pause()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.test_loop import FakeCheckpointer, FakeProgress, FakeRollout, FakeTracker, FakeTrainer, _plan
-from tether.loop_async import overlaps, run_one_step_off
+from tether.loop_async import overlaps, run_fully_async, run_one_step_off
 
 
 class Pending:
@@ -113,13 +113,25 @@ def test_a_resumed_run_makes_the_uninterrupted_runs_calls(resume_at):
     ({"rollout": {"max_staleness": 2}, "cluster": {"colocate": False}}, ["rollout.max_staleness=2", "one_step_off"]),
     ({"rollout": {"max_staleness": 1}, "cluster": {"colocate": False}, "debug": {"load_rollouts": "x"}},
      ["rollout.max_staleness", "debug.load_rollouts"]),
+    ({"rollout": {"async_mode": "fully_async"}, "cluster": {"colocate": False}},
+     ["rollout.async_mode: fully_async", "rollout.max_staleness >= 1"]),
+    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async", "partial_rollout": True,
+                  "custom_generate_fn": "m:f"}, "cluster": {"colocate": False}},
+     ["fully_async", "rollout.partial_rollout=True", "rollout.custom_generate_fn=m:f"]),
+    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async"}, "cluster": {"colocate": False},
+      "deterministic": True}, ["fully_async", "deterministic=True"]),
+    ({"rollout": {"max_staleness": 1, "async_mode": "fully_async", "stale_groups": "keep"},
+      "cluster": {"colocate": False}}, ["rollout.stale_groups", "keep"]),
 ])
 def test_configs_that_cannot_overlap_are_refused_naming_the_fields(tmp_path, fields, words):
     from tether.config import ConfigError, config_from_dict
 
     raw = {"model": {"path": str(tmp_path)}, "data": {"path": str(tmp_path / "d.jsonl")}}
     for section, values in fields.items():
-        raw.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:
+            raw[section] = values
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert all(word in str(err.value) for word in words), str(err.value)
@@ -159,3 +171,70 @@ def test_engine_time_counts_in_the_iteration_it_ran(monkeypatch):
     run_one_step_off(plan, VersionedTrainer(calls, rollout), rollout, FakeCheckpointer(calls), FakeTracker(calls))
     # 0: generates 0 and, overlapped, 1; 1: drains (save); 2: generates 2 and 3; 3: nothing new.
     assert seen == [10.0 + 11.0, 0.0, 12.0 + 13.0, 0.0]
+
+
+class StreamFakeRollout(FakeRollout):
+    """A stream: takes, pauses and resumes; weights may only be pushed while it is paused."""
+
+    def __init__(self, calls: list):
+        super().__init__(calls)
+        self.paused = True
+
+    def start_stream(self, version, next_take):
+        self.calls.append(("rollout.start_stream", version, next_take))
+        self.paused = False
+
+    def take(self, rollout_id):
+        assert not self.paused
+        self.calls.append(("rollout.take", rollout_id))
+        return f"batch{rollout_id}", {"async/engine_busy_s": 0.25, "rollout/samples": 8.0}
+
+    def pause(self):
+        self.calls.append(("rollout.pause",))
+        self.paused = True
+
+    def resume(self, version):
+        self.calls.append(("rollout.resume", version))
+        self.paused = False
+
+
+class PausedOnlyTrainer(FakeTrainer):
+    def __init__(self, calls: list, rollout: StreamFakeRollout):
+        super().__init__(calls)
+        self.rollout = rollout
+
+    def push_weights(self, version):
+        started = any(c[0] == "rollout.start_stream" for c in self.calls)
+        assert self.rollout.paused or not started, "weights pushed while the stream generates"
+        return super().push_weights(version)
+
+
+def test_fully_async_takes_trains_and_pushes_while_paused_without_draining():
+    calls: list = []
+    rollout = StreamFakeRollout(calls)
+    tracker = FakeTracker(calls)
+    plan = _plan(num_rollout=4, num_rollout_per_epoch=100, save_interval=2, eval_interval=2)
+    run_fully_async(plan, PausedOnlyTrainer(calls, rollout), rollout, FakeCheckpointer(calls), tracker,
+                    progress=FakeProgress())
+    expected = [("trainer.push_weights", 0), ("rollout.eval", 0), ("tracker.log", 0), ("rollout.start_stream", 0, 0)]
+    for k in range(4):
+        expected += [("rollout.take", k), ("trainer.train", k, f"batch{k}")]
+        if k in (1, 3):  # the checkpoint does not stop the stream: its state is saved as it is
+            expected += [("ckpt.stage", k), ("trainer.save", f"stage{k}"), ("rollout.save_state", f"stage{k}"),
+                         ("ckpt.commit", k)]
+        expected += [("rollout.pause",), ("trainer.push_weights", k + 1), ("rollout.resume", k + 1)]
+        if k in (1, 3):  # evals run beside the stream, on the new weights
+            expected += [("rollout.eval", k + 1)]
+        expected += [("tracker.log", k + 1)]
+    expected += [("rollout.pause",)]
+    assert calls == expected
+    rows = {step: metrics for step, metrics, _ in tracker.logged}
+    assert all(0 <= rows[k]["perf/rollout_idle_frac"] <= 1 and rows[k]["perf/samples_per_s"] > 0 for k in range(1, 5))
+
+
+def test_a_resumed_fully_async_run_starts_the_stream_where_it_stopped():
+    calls: list = []
+    rollout = StreamFakeRollout(calls)
+    plan = _plan(start=3, num_rollout=5, num_rollout_per_epoch=100, has_eval=False)
+    run_fully_async(plan, PausedOnlyTrainer(calls, rollout), rollout, FakeCheckpointer(calls), FakeTracker(calls))
+    assert calls[:3] == [("trainer.push_weights", 3), ("rollout.start_stream", 3, 3), ("rollout.take", 3)]

@@ -148,6 +148,7 @@ class ContinuousBatcher:
         self.decode = decode
         self.prefix_cache = prefix_cache
         self.batch = RunningBatch()
+        self.weight_version = 0  # recorded with every sampled token (the core sets it before each step)
         self.kv = cache_kwarg(model)
         self.stats = {"prefill_tokens": 0, "prefill_tokens_shared": 0, "prefill_tokens_cached": 0,
                       "decode_steps": 0}
@@ -163,7 +164,7 @@ class ContinuousBatcher:
         steps = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long)
         tokens, logprobs = sample_rows(logits, [s.params for s in seqs], seeds, steps)
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            seq.record(token, logprob, self.decode)
+            seq.record(token, logprob, self.decode, self.weight_version)
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -221,6 +221,7 @@ class EngineCore:
         if self.engine.weights_changed != self._cached_weights:  # cached KV is of the old weights
             self._flush_prefix_cache()
             self._cached_weights = self.engine.weights_changed
+        self.batcher.weight_version = self.engine.weight_version
         if new and (self.engine.released or self.engine.pending_weights):
             self._fail(new, EngineError(
                 f"engine memory is released ({sorted(self.engine.released)}) or weights are not loaded: "

@@ -47,6 +47,9 @@ class GenerateOutput:
     """The stop token id or stop string that ended the row ("stop"); None for "length" and "abort"."""
     text: str | None = None
     """decode(output_ids) when generate_batch was given a decoder, cut right before a matched stop string."""
+    weight_spans: list[list[int]] | None = None
+    """[[weight version, tokens], ...] in order: which weights sampled which tokens (more than one span
+    when the weights were updated while the request was paused in place)."""
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,16 +110,22 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     matched: int | str | None = None
+    version_spans: list[list[int]] = field(default_factory=list)  # [[weight version, tokens], ...]
 
     @property
     def next_position(self) -> int:
         # The pending (last sampled) token sits at this position once fed.
         return len(self.prompt) + len(self.output_ids) - 1
 
-    def record(self, token: int, logprob: float, decode: Callable[[list[int]], str] | None) -> None:
-        """Append a sampled token and decide whether the sequence is finished (module docstring)."""
+    def record(self, token: int, logprob: float, decode: Callable[[list[int]], str] | None, version: int = 0) -> None:
+        """Append a sampled token (sampled by weight ``version``) and decide whether the sequence is
+        finished (module docstring)."""
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][1] += 1
+        else:
+            self.version_spans.append([version, 1])
         if token in self.stop_ids:
             self.finish_reason, self.matched = "stop", token
         elif self.params.stop and (hit := _earliest_stop(decode(self.output_ids), self.params.stop)) is not None:
@@ -130,7 +139,8 @@ class Sequence:
             text = decode(self.output_ids)
             if isinstance(self.matched, str):
                 text = text[: text.find(self.matched)]
-        return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text)
+        return GenerateOutput(self.output_ids, self.output_logprobs, self.finish_reason or "length", self.matched, text,
+                              [list(span) for span in self.version_spans])
 
 
 @torch.no_grad()

@@ -84,6 +84,8 @@ def finish_reason(out: GenerateOutput) -> dict:
 def response(out: GenerateOutput, rid: str, prompt_len: int, text: str, return_logprob: bool, version: int) -> dict:
     meta = {"id": rid, "finish_reason": finish_reason(out), "prompt_tokens": prompt_len,
             "completion_tokens": len(out.output_ids), "weight_version": version}
+    if out.weight_spans and len(out.weight_spans) > 1:  # updated in place mid-request: who sampled what
+        meta["weight_version_spans"] = out.weight_spans
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.output_logprobs, out.output_ids)]
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}

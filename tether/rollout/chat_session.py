@@ -192,7 +192,7 @@ class ChatSession:
             return self._reply(body, "", [], [], "length")
         gen = await self.ctx.generate(self.sample.prompt_ids + self.sample.response_ids,
                                       {**gen_params, "max_new_tokens": left})
-        self.sample.add_reply(gen.ids, gen.logprobs, gen.text, gen.finish_reason, gen.weight_version)
+        self.sample.add_reply(gen.ids, gen.logprobs, gen.text, gen.finish_reason, gen.weight_version, gen.version_spans)
         if gen.aborted:
             self.aborted = True
             raise SessionAborted("the rollout aborted this session")

@@ -206,14 +206,14 @@ class DataSource:
         self.seed = seed
         self._epoch = 0
         self._offset = 0
-        self._order = self._epoch_order(0)
+        self._order = self.epoch_order(0)
 
     @property
     def epoch(self) -> int:
         """Epoch that the next rollout's prompts come from (0-based)."""
         return self._epoch
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
+    def epoch_order(self, epoch: int) -> np.ndarray:
         """Row order for `epoch`, a function of (seed, epoch) only."""
         if self.shuffle:
             return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
@@ -225,7 +225,7 @@ class DataSource:
         if offset + self.prompts_per_rollout > usable:
             epoch, offset = epoch + 1, 0
         if epoch != self._epoch:
-            self._order = self._epoch_order(epoch)
+            self._order = self.epoch_order(epoch)
         self._epoch, self._offset = epoch, offset
 
     def next_prompts(self) -> list[PromptRow]:
@@ -301,5 +301,5 @@ class DataSource:
         if epoch < 0 or not 0 <= offset <= len(self.rows):
             raise ValueError(f"data source state has invalid epoch/offset: {epoch}/{offset}")
         self._epoch = epoch
-        self._order = self._epoch_order(epoch)
+        self._order = self.epoch_order(epoch)
         self._set_position(epoch, offset)

@@ -46,7 +46,7 @@ def fill_response(sample: Sample, out: dict) -> None:
     """Append one /generate reply to the sample's response (a continued sample already has a part)."""
     meta = out["meta_info"]
     sample.add_reply(list(out["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"],
-                     meta["finish_reason"]["type"], int(meta["weight_version"]))
+                     meta["finish_reason"]["type"], int(meta["weight_version"]), meta.get("weight_version_spans"))
 
 
 class EngineFleet:

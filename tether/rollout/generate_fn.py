@@ -69,6 +69,8 @@ class Generation:
     finish_reason: str
     """"stop", "length" or "abort"."""
     weight_version: int
+    version_spans: list[list[int]] | None = None
+    """[[version, tokens], ...] when weights were updated in place during the call."""
 
     @property
     def aborted(self) -> bool:
@@ -103,7 +105,7 @@ class GenerateContext:
         out = reply.json()
         meta = out["meta_info"]
         return Generation(list(out["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"],
-                          meta["finish_reason"]["type"], int(meta["weight_version"]))
+                          meta["finish_reason"]["type"], int(meta["weight_version"]), meta.get("weight_version_spans"))
 
     async def generate_into(self, sample: Sample, sampling_params: dict) -> Generation:
         """Generate the next part of ``sample``'s response from its prompt and response so far and append
@@ -117,7 +119,7 @@ class GenerateContext:
         # The text as the tokens spell it: the engine cuts a matched stop string out of `gen.text`, but
         # the tokens keep it, and the next turn follows it.
         sample.add_reply(gen.ids, gen.logprobs, self.tokenizer.decode(gen.ids, skip_special_tokens=True),
-                         gen.finish_reason, gen.weight_version)
+                         gen.finish_reason, gen.weight_version, gen.version_spans)
         return gen
 
     def chat_session(self, sample: Sample, sampling_params: dict, *, tools: list[dict] | None = None,

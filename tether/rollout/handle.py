@@ -51,14 +51,14 @@ class RolloutHandle:
         self.engine_pids = [h["pid"] for h in health]
         self._get(self.actor.connect_engines.remote([h["url"] for h in health]), "connect_engines")
 
-    def _get(self, ref: Any, what: str) -> Any:
-        return wait(ref, self.timeout_s, f"rollout.{what}")
+    def _get(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
+        return wait(ref, self.timeout_s + extra_s, f"rollout.{what}")
 
-    def _get_from_engines(self, ref: Any, what: str) -> Any:
+    def _get_from_engines(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
         """``_get`` for work that goes to the engines: when it fails and an engine has died, say that
         (with Ray's exit reason and the tail of its log) rather than the connection error it caused."""
         try:
-            return self._get(ref, what)
+            return self._get(ref, what, extra_s)
         except Exception as err:
             dead = dead_actors({f"engine {i}": (e, pid) for i, (e, pid) in enumerate(zip(self.engines, self.engine_pids))})
             if dead:
@@ -81,6 +81,26 @@ class RolloutHandle:
         batch_ref, metrics_ref = self.actor.generate.options(num_returns=2).remote(rollout_id)
         crash_point("generate", rollout_id)
         return PendingGenerate(self, rollout_id, batch_ref, metrics_ref)
+
+    # Fully asynchronous rollout (tether/rollout/stream.py).
+    def start_stream(self, version: int, next_take: int) -> None:
+        self._get(self.actor.stream_start.remote(version, next_take), "start the rollout stream")
+
+    def take(self, rollout_id: int) -> tuple[ray.ObjectRef, dict[str, float]]:
+        """(reference to the TrainBatch, metrics) of the stream's next groups; the stream's own wait is
+        bounded by the call timeout and says what it waited for, so this one allows a little more."""
+        start = time.perf_counter()
+        batch_ref, metrics_ref = self.actor.stream_take.options(num_returns=2).remote(rollout_id)
+        crash_point("generate", rollout_id)
+        metrics = self._get_from_engines(metrics_ref, f"take(rollout {rollout_id})", extra_s=30.0)
+        metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics.pop(MANAGER_SECONDS)
+        return batch_ref, metrics
+
+    def pause(self) -> None:
+        self._get_from_engines(self.actor.stream_pause.remote(), "pause the rollout stream")
+
+    def resume(self, version: int) -> None:
+        self._get_from_engines(self.actor.stream_resume.remote(version), f"resume the rollout stream at version {version}")
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self._get_from_engines(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")

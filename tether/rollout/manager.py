@@ -31,6 +31,7 @@ from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_sp
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.health import RolloutHealth, answer_counts
+from tether.rollout.stream import STREAM_STATE, RolloutStream, StreamSettings, staleness_metrics
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.sample import Sample
@@ -179,10 +180,14 @@ class RolloutManager:
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
         eval_rows = [(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0]) for e in self.cfg.eval.datasets]
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
+        if row_fns and r.max_staleness and r.async_mode == "fully_async":
+            raise ConfigError(f"{row_fns[0][1]}: a row names its own generate function; rollout.async_mode: "
+                              "fully_async streams plain /generate requests only")
         row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path)]
         self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
                        if r.custom_generate_fn or row_fns else None)
         self.fleet: EngineFleet | None = None
+        self.stream: RolloutStream | None = None
         self.driver: GroupDriver | None = None
         self.rollout_fn = load_rollout_fn(r.custom_rollout_fn) if r.custom_rollout_fn else None
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
@@ -199,6 +204,15 @@ class RolloutManager:
     def connect_engines(self, urls: list[str]) -> None:
         self.fleet = EngineFleet(urls, self.cfg.cluster.call_timeout_s)
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
+        r = self.cfg.rollout
+        if r.max_staleness and r.async_mode == "fully_async" and self.data is not None:
+            settings = StreamSettings(need=r.prompts_per_rollout, max_staleness=r.max_staleness,
+                                      max_in_flight=r.max_concurrent_groups, stale_groups=r.stale_groups,
+                                      groups_per_request=r.groups_per_request,
+                                      pause_mode=r.pause_mode, seed=self.cfg.seed,
+                                      timeout_s=self.cfg.cluster.call_timeout_s)
+            self.stream = RolloutStream(self.fleet, self.data, self.params, settings,
+                                        partial(score_shaped, self.scorer, self.cfg), self.keep)
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
@@ -224,28 +238,35 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """Samples for one rollout, scored. Called with num_returns=2: the batch stays in the object store."""
-        r = self.cfg.rollout
         data = self._require_data()
         epoch = data.epoch
         ctx = self._context(rollout_id, False, self.params, self._seed(rollout_id, 0),
                             partial(score_shaped, self.scorer, self.cfg), f"rollout {rollout_id}")
         start = time.perf_counter()
         out = self._call(ctx, RolloutDataSource(data, self.buffer, rollout_id), False, "rollout")
+        return self._finish(rollout_id, out.groups, dict(out.metrics), out.warnings, epoch, start)
+
+    def _finish(self, rollout_id: int, groups: list[list[Sample]], metrics: dict, warnings: list[str], epoch: int,
+                start: float, dump_extra: list[dict] | None = None) -> tuple[TrainBatch, dict[str, float]]:
+        """A rollout's groups to its TrainBatch: post-process, metrics, health checks, the dump
+        (``dump_extra``: more fields for each group's rows)."""
+        r = self.cfg.rollout
         post_start = time.perf_counter()
-        samples = [s for group in out.groups for s in group]
+        samples = [s for group in groups for s in group]
         self.scorer.post_process(samples)
-        metrics = dict(out.metrics)
         if r.overlong_buffer_len is not None:
             metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
                 overlong_penalty(s.response_length, r.max_response_len, r.overlong_buffer_len,
                                  r.overlong_penalty_factor) for s in samples)
         metrics.update(rollout_metrics(samples))
         health, metrics["warnings"] = self.health.after_rollout(rollout_id, samples)
-        metrics["warnings"] = out.warnings + metrics["warnings"]
+        metrics["warnings"] = warnings + metrics["warnings"]
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
-        self._dump(samples, f"rollout_{rollout_id:06d}.jsonl")
-        batch = to_train_batch(samples, self._group_size(out.groups), r.temperature)
+        extra = dump_extra or [{}] * len(groups)
+        self._dump_rows([{**s.to_dict(), **more} for group, more in zip(groups, extra) for s in group],
+                        f"rollout_{rollout_id:06d}.jsonl")
+        batch = to_train_batch(samples, self._group_size(groups), r.temperature)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
         # The rollout function's time outside the driver's generate: its event loop and HTTP client,
@@ -254,6 +275,38 @@ class RolloutManager:
             metrics["timing/rollout_fn_overhead_s"] = post_start - start - metrics["timing/generate_s"]
         metrics[MANAGER_SECONDS] = end - start
         return batch, metrics
+
+    # ------------------------------------------------------------ fully asynchronous rollout
+    def stream_start(self, version: int, next_take: int) -> None:
+        self._require_stream().start(version, next_take)
+
+    def stream_take(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
+        """The next rollout from the stream (called with num_returns=2, like generate)."""
+        start = time.perf_counter()
+        flights, metrics = self._require_stream().take(rollout_id)
+        groups = [f.samples for f in flights]
+        for k, group in enumerate(groups):  # a group's index is its place in the trained batch
+            for s in group:
+                s.group_index, s.rollout_id = k, rollout_id
+        metrics.update(staleness_metrics(groups, rollout_id))
+        dropped = self.stream.dropped
+        if dropped:  # which prompts went untrained, for the record
+            self._dump_rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
+                            f"rollout_{rollout_id:06d}_dropped_stale.jsonl")
+            dropped.clear()
+        return self._finish(rollout_id, groups, metrics, [], max(f.epoch for f in flights), start,
+                            [{"epoch": f.epoch, "draw": f.seq} for f in flights])
+
+    def stream_pause(self) -> None:
+        self._require_stream().pause()
+
+    def stream_resume(self, version: int) -> None:
+        self._require_stream().resume(version)
+
+    def _require_stream(self) -> RolloutStream:
+        if self.stream is None:
+            raise RuntimeError("the rollout stream runs with rollout.async_mode: fully_async, after connect_engines")
+        return self.stream
 
     def _context(self, rollout_id: int, evaluation: bool, params: SamplingParams, seed: int, score,
                  what: str) -> RolloutContext:
@@ -337,12 +390,21 @@ class RolloutManager:
     # ------------------------------------------------------------ state and memory
     def save_state(self, ckpt_dir: str) -> None:
         (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self._require_data().state_dict()))
+        if self.stream is not None:  # its position, and the groups drawn and not yet trained on
+            (Path(ckpt_dir) / STREAM_STATE).write_text(json.dumps(self.stream.state_dict()))
         if self.cfg.rollout.partial_rollout or self.rollout_fn is not None:  # groups handed back wait there
             (Path(ckpt_dir) / BUFFER_STATE).write_text(json.dumps(self.buffer.state_dict()))
 
     def load_state(self, ckpt_dir: str) -> dict:
         state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
         self._require_data().load_state_dict(state)
+        stream = Path(ckpt_dir) / STREAM_STATE
+        if stream.is_file() and self.stream is None:
+            raise ConfigError(f"{ckpt_dir} was saved by a fully asynchronous run (its {STREAM_STATE} holds the "
+                              "groups drawn and not yet trained on): resume it with rollout.async_mode: fully_async")
+        if self.stream is not None:  # from a synchronous checkpoint: the stream starts at its data position
+            self.stream.load_state_dict(json.loads(stream.read_text()) if stream.is_file() else {
+                "position": [state["epoch"], state["offset"]], "next_seq": 0, "totals": {}, "ready": [], "pending": []})
         buffer = Path(ckpt_dir) / BUFFER_STATE
         if buffer.is_file():
             self.buffer.load_state_dict(json.loads(buffer.read_text()))

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Iterable
 
-import httpx
 import torch
 from torch.distributed import TCPStore
 
+from tether.http_client import sync_client
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -88,7 +88,7 @@ class DistributedSender(WeightSender):
         self.timeout_s = timeout_s
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(engine_urls)), thread_name_prefix="weights")
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = sync_client(timeout_s)
         port = free_port()
         world = len(engine_urls) + 1
         body = {"master_address": master_address, "master_port": port, "world_size": world,
