@@ -1,0 +1,195 @@
+"""The engine contract: what rollout and weight sync need from an inference server, over HTTP.
+
+Every engine backend runs this suite against a server started on the tiny model: the rollout speaks
+only these endpoints and payloads (SGLang's), so a backend that passes them can serve a run. The
+embedded engine is the first backend; others add a factory to BACKENDS.
+
+    generate    token ids in and out, one sampling-parameter dict and one rid per prompt, per-token
+                log-probs aligned with the tokens, finish reasons, max_new_tokens and stop ids kept,
+                the sampling seed honoured, a continued response (prompt + partial output) going on
+                where it stopped (partial rollout), the weight version in every reply
+    health      /health and /health_generate
+    abort       one request by rid (partial tokens come back, finish reason abort), or all
+    pause       /pause_generation holds running requests, /continue_generation resumes them
+    memory      /release_memory_occupation and /resume_memory_occupation by tag
+    weights     /update_weights_from_tensor with a weight_version: replies change, /get_model_info
+                reports the version
+    cache       /flush_cache
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+pytestmark = pytest.mark.integration
+
+
+def embedded_backend(model_dir) -> tuple[str, Callable[[], None], Callable[[], dict[str, torch.Tensor]]]:
+    """(url, stop, state_dict) of an embedded engine server on the tiny model."""
+    from tether.engine.core import EngineCore
+    from tether.engine.embedded import EmbeddedEngine
+    from tether.engine.server import EngineServer
+    from tether.hf import load_tokenizer
+
+    engine = EmbeddedEngine(str(model_dir))
+    server = EngineServer(EngineCore(engine, load_tokenizer(str(model_dir)))).start()
+    return server.url, server.stop, lambda: engine.model.state_dict()
+
+
+BACKENDS = {"embedded": embedded_backend}
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def backend(request, tiny_model_dir) -> Iterator[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    url, stop, state_dict = BACKENDS[request.param](tiny_model_dir)
+    yield url, state_dict
+    stop()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def http(backend) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=backend[0], timeout=60) as client:
+        yield client
+
+
+def generate(http: httpx.Client, prompts: list[list[int]], params: list[dict], rids: list[str] | None = None) -> list[dict]:
+    body = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
+    if rids is not None:
+        body["rid"] = rids
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def tokens_of(out: dict) -> list[int]:
+    return list(out["output_ids"])
+
+
+def test_generate_batch_token_ids_logprobs_and_limits(http):
+    outs = generate(http, [[5, 6, 7], [8, 9]],
+                    [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1},
+                     {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}], rids=["c-a", "c-b"])
+    assert [len(o["output_ids"]) for o in outs] == [6, 3]
+    for out in outs:
+        meta = out["meta_info"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+        assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+        assert meta["finish_reason"]["type"] == "length" and isinstance(meta["weight_version"], int)
+
+
+def test_stop_token_ids_end_a_response(http):
+    greedy = tokens_of(generate(http, [[5, 6, 7]], [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}])[0])
+    stop = greedy[2]
+    out = generate(http, [[5, 6, 7]], [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                                         "stop_token_ids": [stop]}])[0]
+    assert tokens_of(out) == greedy[:greedy.index(stop) + 1]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_a_sampling_seed_fixes_the_tokens(http):
+    params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    a, b, c = (tokens_of(generate(http, [[4, 5]], [{**params, "sampling_seed": seed}])[0]) for seed in (11, 11, 12))
+    assert a == b and a != c
+
+
+def test_a_continued_response_goes_on_where_it_stopped(http):
+    """Partial rollout and multi-turn send prompt + response so far: greedy, that is the same text."""
+    params = {"temperature": 0.0, "ignore_eos": True}
+    whole = tokens_of(generate(http, [[5, 6, 7]], [{**params, "max_new_tokens": 8}])[0])
+    rest = tokens_of(generate(http, [[5, 6, 7] + whole[:3]], [{**params, "max_new_tokens": 5}])[0])
+    assert whole[:3] + rest == whole
+
+
+def test_health(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+
+
+def run_in_thread(http, prompt, params, rid) -> tuple[threading.Thread, dict]:
+    holder: dict = {}
+    thread = threading.Thread(target=lambda: holder.update(out=generate(http, [prompt], [params], [rid])[0]))
+    thread.start()
+    return thread, holder
+
+
+def test_abort_by_rid_returns_the_partial_response(http):
+    thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 2000, "ignore_eos": True}, "c-long")
+    time.sleep(0.3)
+    assert http.post("/abort_request", json={"rid": "c-long"}).status_code == 200
+    thread.join(timeout=30)
+    out = holder["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 2000
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+def test_pause_holds_requests_and_continue_resumes_them(http):
+    assert http.post("/pause_generation").status_code == 200
+    try:
+        thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 4, "ignore_eos": True}, "c-held")
+        time.sleep(0.4)
+        assert "out" not in holder
+    finally:
+        assert http.post("/continue_generation").status_code == 200
+    thread.join(timeout=30)
+    assert len(holder["out"]["output_ids"]) == 4
+
+
+def test_abort_all(http):
+    thread, holder = run_in_thread(http, [7, 8], {"max_new_tokens": 2000, "ignore_eos": True}, "c-all")
+    time.sleep(0.3)
+    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    thread.join(timeout=30)
+    assert holder["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def push(http, tensors: dict[str, torch.Tensor], version: int) -> dict:
+    reply = http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": base64.b64encode(save_safetensors(tensors)).decode(), "weight_version": version})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_memory_release_and_resume_by_tag_then_weights_again(http, backend):
+    original = {k: v.clone() for k, v in backend[1]().items()}
+    version = http.get("/get_model_info").json()["weight_version"]
+    for tags in (["kv_cache"], ["weights", "kv_cache"]):
+        assert http.post("/release_memory_occupation", json={"tags": tags}).status_code == 200
+        assert http.post("/resume_memory_occupation", json={"tags": tags}).status_code == 200
+    push(http, original, version + 1)  # released weights come back with a push
+    out = generate(http, [[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True}])[0]
+    assert len(out["output_ids"]) == 3 and out["meta_info"]["weight_version"] == version + 1
+
+
+def test_a_weight_update_changes_replies_and_the_reported_version(http, backend):
+    original = {k: v.clone() for k, v in backend[1]().items()}
+    params = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
+    before = tokens_of(generate(http, [[5, 6, 7]], params)[0])
+    version = http.get("/get_model_info").json()["weight_version"]
+    # The final norm's scale, negated: every logit changes sign, so the greedy tokens change. (Not the
+    # tied embedding: a tiny model's next token is mostly its last input token's own embedding, which
+    # any new embedding matrix reproduces.)
+    head = "model.norm.weight"
+    changed = {head: -original[head]}
+    try:
+        assert push(http, changed, version + 1)["weight_version"] == version + 1
+        assert http.get("/get_model_info").json()["weight_version"] == version + 1
+        after = generate(http, [[5, 6, 7]], params)[0]
+        assert tokens_of(after) != before and after["meta_info"]["weight_version"] == version + 1
+    finally:
+        push(http, {head: original[head]}, version + 2)
+    assert tokens_of(generate(http, [[5, 6, 7]], params)[0]) == before
+
+
+def test_flush_cache(http):
+    assert http.post("/flush_cache").status_code == 200
