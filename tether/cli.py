@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 
-from tether.config import ConfigError, TetherConfig, check_inputs, dump_config, load_config
+from tether.config import ConfigError, TetherConfig, dump_config, load_config
+from tether.preflight import check_inputs
 from tether.errors import EngineDiedError, NonFiniteError
 
 COMMANDS = {

@@ -575,37 +575,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(raw, source)
 
 
-def check_inputs(cfg: TetherConfig, command: str) -> None:
-    """Fail before any process starts when a file the command needs is missing; names the field."""
-    needed = {"model.path": cfg.model.path}
-    if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
-        needed["data.path"] = cfg.data.path
-    if command == "train" and cfg.debug.load_rollouts is not None:
-        needed["debug.load_rollouts"] = cfg.debug.load_rollouts
-    elif command == "sft":
-        needed["sft.path"] = cfg.sft.path
-    if command == "eval":
-        needed.pop("model.path")  # --model may name another; checked where it is resolved
-    needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
-    problems = []
-    for field, value in needed.items():
-        if value is None:
-            problems.append(f"  {field}: required for `tether {command}`")
-        elif not Path(value).exists():
-            problems.append(f"  {field}: {value} does not exist")
-    specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
-             "rollout.group_reward": cfg.rollout.group_reward, "rollout.dynamic_filter": cfg.rollout.dynamic_filter,
-             "rollout.reward_post_process": cfg.rollout.reward_post_process,
-             **{f"eval.datasets[{i}].reward": d.reward for i, d in enumerate(cfg.eval.datasets)}}
-    for field, spec in specs.items():
-        target = (spec or "").rpartition(":")[0]
-        if target.endswith(".py") and not Path(target).is_file():
-            problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
-                            "against the file's folder, one in an override against the working directory)")
-    if problems:
-        raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
-
-
 def dump_config(cfg: TetherConfig) -> str:
     """The resolved config as YAML (what --dry-run prints and checkpoints store)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

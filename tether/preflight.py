@@ -1,0 +1,40 @@
+"""Checks of a validated config against the machine, before any process starts: the files a command
+needs exist, and user-function files named by path are there. Errors name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tether.config import TetherConfig
+from tether.errors import ConfigError
+
+
+def check_inputs(cfg: TetherConfig, command: str) -> None:
+    """Fail before any process starts when a file the command needs is missing; names the field."""
+    needed = {"model.path": cfg.model.path}
+    if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
+        needed["data.path"] = cfg.data.path
+    if command == "train" and cfg.debug.load_rollouts is not None:
+        needed["debug.load_rollouts"] = cfg.debug.load_rollouts
+    elif command == "sft":
+        needed["sft.path"] = cfg.sft.path
+    if command == "eval":
+        needed.pop("model.path")  # --model may name another; checked where it is resolved
+    needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
+    problems = []
+    for field, value in needed.items():
+        if value is None:
+            problems.append(f"  {field}: required for `tether {command}`")
+        elif not Path(value).exists():
+            problems.append(f"  {field}: {value} does not exist")
+    specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
+             "rollout.group_reward": cfg.rollout.group_reward, "rollout.dynamic_filter": cfg.rollout.dynamic_filter,
+             "rollout.reward_post_process": cfg.rollout.reward_post_process,
+             **{f"eval.datasets[{i}].reward": d.reward for i, d in enumerate(cfg.eval.datasets)}}
+    for field, spec in specs.items():
+        target = (spec or "").rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
+                            "against the file's folder, one in an override against the working directory)")
+    if problems:
+        raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
