@@ -27,6 +27,7 @@ from tether.algorithms.kl import kl_estimate
 from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
+from tether.trainer import mismatch
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 from tether.trainer.nonfinite import NonFiniteGuard, check_weights
 
@@ -156,26 +157,31 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
     return spread(result.advantages), returns, metrics
 
 
-def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
-    """(sum |trainer - engine| over trained response tokens, token count, max) for this rank's samples."""
-    total, count, worst = 0.0, 0.0, 0.0
+def token_abs_diffs(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> torch.Tensor:
+    """|trainer - engine| log-prob of every trained response token of this rank's samples, flat."""
+    parts = [torch.zeros(0)]
     for i in indices:
         if batch.response_lengths[i] == 0:
             continue
         keep = torch.tensor(batch.loss_mask(i), dtype=torch.bool)
-        if not keep.any():
-            continue
-        diff = (old[i] - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32))[keep].abs()
-        total += float(diff.sum())
-        count += diff.numel()
-        worst = max(worst, float(diff.max()))
-    return total, count, worst
+        # On the CPU: the engine's log-probs live there, and the histogram is built there.
+        trainer = old[i].detach().float().cpu()
+        parts.append((trainer - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32))[keep].abs())
+    return torch.cat(parts)
+
+
+def logprob_mismatch(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> tuple[float, float, float]:
+    """(sum |trainer - engine| over trained response tokens, token count, max) for this rank's samples."""
+    diff = token_abs_diffs(batch, indices, old)
+    return float(diff.sum()), float(diff.numel()), float(diff.max()) if diff.numel() else 0.0
 
 
 def mismatch_metrics(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> dict[str, float]:
-    total, count, worst = logprob_mismatch(batch, indices, old)
-    total, count = all_reduce_sum([total, count])
-    return {"mismatch/logprob_abs_diff_mean": total / max(count, 1.0), "mismatch/logprob_abs_diff_max": all_reduce_max(worst)}
+    """Mean, max, p50, p99 and share over 0.1 of |diff| over the whole batch on all ranks: the summary
+    vector (mismatch.py) is summed in one all-reduce of O(bins) floats, the max in another."""
+    diff = token_abs_diffs(batch, indices, old)
+    summary = torch.tensor(all_reduce_sum(mismatch.summarize(diff).tolist()), dtype=torch.float64)
+    return mismatch.metrics(summary, all_reduce_max(float(diff.max()) if diff.numel() else 0.0))
 
 
 def grad_norm(model: nn.Module, grad_clip: float) -> float:
