@@ -50,10 +50,15 @@ def fill_response(sample: Sample, out: dict) -> None:
 
 
 class EngineFleet:
-    def __init__(self, urls: list[str], timeout_s: float):
+    def __init__(self, urls: list[str], timeout_s: float, router: str = "builtin", log_dir: str | None = None):
         if not urls:
             raise ValueError("EngineFleet needs at least one engine URL")
-        self.router = Router(urls, timeout_s=timeout_s)
+        if router == "sglang_router":
+            from tether.router_sglang import SglangRouterFront
+
+            self.router: Router = SglangRouterFront(urls, timeout_s=timeout_s, log_dir=log_dir)
+        else:
+            self.router = Router(urls, timeout_s=timeout_s)
         self.timeout_s = timeout_s
 
     @property

@@ -202,7 +202,9 @@ class RolloutManager:
             self.connect_engines(engine_urls)
 
     def connect_engines(self, urls: list[str]) -> None:
-        self.fleet = EngineFleet(urls, self.cfg.cluster.call_timeout_s)
+        log_dir = Path(self.cfg.output_dir) / "engine_logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.fleet = EngineFleet(urls, self.cfg.cluster.call_timeout_s, self.cfg.cluster.router, str(log_dir))
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
         r = self.cfg.rollout
         if r.max_staleness and r.async_mode == "fully_async" and self.data is not None:
