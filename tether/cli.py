@@ -46,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="eval before/after, best, warnings and curves of a run",
                             description="eval before/after, best, warnings and curves of a run")
     report.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
+    serve = sub.add_parser("serve", help="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run",
+                           description="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run; "
+                           "usable as rollout.external_engines")
+    serve.add_argument("--model", required=True, help="an HF model directory")
+    serve.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--vllm-python", help="the Python of vLLM's environment (default: tether's)")
+    serve.add_argument("--log-dir", default="engine_logs", help="where a vLLM server's log goes")
     export = sub.add_parser("export", help="write a checkpoint's model as an HF directory",
                             description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
     export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
@@ -95,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         from tether.export import export_checkpoint
 
         print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+        return 0
+    if args.command == "serve":
+        from tether.serve import serve
+
+        serve(args.engine, args.model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir)
         return 0
     if args.command == "report":
         from tether.report import report

@@ -73,9 +73,10 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def plan_placement(cfg: ClusterConfig) -> Placement:
-    """Reserve bundles for the layout and wait until Ray grants them."""
-    n_train, n_engine = cfg.num_train_actors, cfg.num_engines
+def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
+    """Reserve bundles for the layout and wait until Ray grants them. ``engines``: how many engines
+    need bundles (default cluster.num_engines; 0 when they run elsewhere, rollout.external_engines)."""
+    n_train, n_engine = cfg.num_train_actors, cfg.num_engines if engines is None else engines
     n_bundles = max(n_train, n_engine) if cfg.colocate else n_train + n_engine
     bundle: dict[str, float] = {"CPU": cfg.cpus_per_bundle}
     if cfg.gpus_per_bundle:

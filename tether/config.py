@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from tether.config_base import Section
 from tether.config_raw import apply_overrides, resolve_function_specs
+from tether.engine.config import SglangConfig, VllmConfig
 from tether.errors import ConfigError
-
-
-class Section(BaseModel):
-    # extra="forbid": a typo in a recipe is an error, never an ignored key.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
 class ClusterConfig(Section):
@@ -54,6 +51,10 @@ class ClusterConfig(Section):
     """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
     collective_timeout_s: float = Field(300.0, gt=0)
     """torch.distributed timeout for collectives between trainer ranks."""
+    router: Literal["builtin", "sglang_router"] = "builtin"
+    """What spreads requests over the engines: tether's router (least-loaded, in the rollout manager), or
+    the sglang-router package's cache-aware router (prefix-aware placement for multi-turn rollouts),
+    started as a process in front of the engines."""
 
 
 class ModelConfig(Section):
@@ -209,6 +210,13 @@ class RolloutConfig(Section):
     onednn_linear: bool = True
     """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
     version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    """The inference backend (tether/engine/backends.py): the embedded PyTorch engine, vLLM (its
+    settings in the vllm section) or SGLang (the sglang section). All speak one HTTP contract
+    (tether/engine/base.py)."""
+    external_engines: list[str] = []
+    """URLs of engine servers already running (any backend's, speaking the contract): nothing is
+    launched or placed for them and weights reach them over cluster.weight_sync: distributed."""
     engine_host: str = "127.0.0.1"
     """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
     address is then given to the router)."""
@@ -457,6 +465,10 @@ class TetherConfig(Section):
     """Saving, resuming and exporting."""
     tracking: TrackingConfig = TrackingConfig()
     """Metrics destinations."""
+    vllm: VllmConfig = VllmConfig()
+    """The vLLM backend's server settings (rollout.engine: vllm)."""
+    sglang: SglangConfig = SglangConfig()
+    """The SGLang backend's server settings (rollout.engine: sglang)."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning data (`tether sft`)."""
     debug: DebugConfig = DebugConfig()
@@ -485,6 +497,7 @@ class TetherConfig(Section):
             raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} overlaps generation and training, "
                              "so engines need their own bundles: set cluster.colocate=false")
         self._check_async()
+        self._check_engines()
         if self.rollout.max_staleness and self.debug.load_rollouts is not None:
             raise ValueError("rollout.max_staleness > 0 overlaps generation with training; debug.load_rollouts "
                              "replays saved rollouts without engines: use one or the other")
@@ -519,6 +532,24 @@ class TetherConfig(Section):
         if named:
             raise ValueError(f"rollout.async_mode: fully_async streams groups across train steps; "
                              f"it does not combine with {', '.join(named)}")
+
+    def _check_engines(self) -> None:
+        r, c = self.rollout, self.cluster
+        if r.engine == "sglang" and not c.gpus_per_bundle and not r.external_engines:
+            raise ValueError("rollout.engine: sglang runs on GPUs only: set cluster.gpus_per_bundle, or use "
+                             "rollout.engine: embedded or vllm on CPU")
+        if not r.external_engines:
+            return
+        if len(r.external_engines) != c.num_engines:
+            raise ValueError(f"rollout.external_engines lists {len(r.external_engines)} server(s) but "
+                             f"cluster.num_engines={c.num_engines}: make them agree")
+        if c.colocate or c.weight_sync != "distributed":
+            raise ValueError("rollout.external_engines run outside the placement group and have no Ray actor to "
+                             "take object-store buckets: set cluster.colocate=false and "
+                             "cluster.weight_sync=distributed")
+        bad = [u for u in r.external_engines if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"rollout.external_engines must be http(s) URLs, got {bad}")
 
     @property
     def global_batch_size(self) -> int:

@@ -17,3 +17,7 @@ class NonFiniteError(RuntimeError):
 
 class EngineDiedError(RuntimeError):
     """A rollout or eval failed because an engine process died; says which, why, and its log's tail."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine server did not come up: which one, its command and the last lines of its log."""

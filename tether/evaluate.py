@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tether.checkpoint import META, find_latest
 from tether.cluster import plan_placement
+from tether.engine.backends import placed_engines
 from tether.config import ConfigError, TetherConfig, config_from_dict
 
 
@@ -69,7 +70,7 @@ def run_evals(cfg: TetherConfig, model_path: str, out: Path, step: int = 0) -> d
     raw["model"]["path"] = model_path
     raw["output_dir"] = str(out)
     cfg = config_from_dict(raw, "eval")
-    placement = plan_placement(cfg.cluster)
+    placement = plan_placement(cfg.cluster, placed_engines(cfg))
     engines = create_engines(cfg, placement)
     rollout = None
     try:

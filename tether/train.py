@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tether.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import plan_placement
+from tether.engine.backends import placed_engines
 from tether.config import TetherConfig
 from tether.loop import LoopPlan, run_loop
 from tether.loop_async import run_fully_async, run_one_step_off
@@ -88,7 +89,7 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
     delete an earlier run's logs and checkpoints in its directories (else it refuses to start)."""
     clock = StartupClock()
     load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
-    placement = plan_placement(cfg.cluster)
+    placement = plan_placement(cfg.cluster, placed_engines(cfg))
     clock.lap("ray")
     # Trainer, engines and rollout manager start together (each imports torch and loads its part).
     trainer = TrainerGroup(cfg, placement)
@@ -106,8 +107,8 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
         clock.lap("trainer init")
         if load_path:
             rollout.load_state(load_path)
-        if engines:
-            trainer.connect_engines(engines)
+        if engines or cfg.rollout.external_engines:
+            trainer.connect_engines(engines, cfg.rollout.external_engines)
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,
                         offload=cfg.cluster.offload and not replay, has_eval=bool(cfg.eval.datasets) and not replay,
@@ -143,7 +144,7 @@ def generate_rollouts(cfg: TetherConfig, overwrite: bool = False, config_path: s
     for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite, command="rollout",
                       config_path=config_path):
         print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
-    placement = plan_placement(cfg.cluster)
+    placement = plan_placement(cfg.cluster, placed_engines(cfg))
     engines = create_engines(cfg, placement)
     rollout = RolloutHandle(cfg, engines)
     try:

@@ -6,27 +6,16 @@ This is the README's first command minus the install: about 3 minutes on 2 cores
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import RECIPE, run
+
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "arithmetic"
 
 
-def run(*args: str) -> None:
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True, timeout=900)
-
-
-def test_arithmetic_recipe_learns(tmp_path):
-    out = tmp_path / "arith"
-    run(str(RECIPE / "prepare.py"), "--out", str(out))
-    run("-m", "tether.cli", "sft", "--config", str(RECIPE / "sft.yaml"), f"output_dir={out}/sft",
-        f"model.path={out}/base", f"sft.path={out}/data/sft.jsonl", "tracking.tensorboard=false",
-        f"eval.datasets.0.path={out}/data/eval.jsonl")
+def test_arithmetic_recipe_learns(arithmetic_sft):
+    out = arithmetic_sft
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl",
         f"eval.datasets.0.path={out}/data/eval.jsonl")

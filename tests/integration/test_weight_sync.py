@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import ray
 import torch
@@ -10,8 +11,6 @@ from tests.conftest import tiny_config
 from tether.batch import TrainBatch
 from tether.cluster import plan_placement, wait
 from tether.config import config_from_dict
-from tether.engine.base import GenerateRequest
-from tether.engine.sampling import SamplingParams
 from tether.rollout.handle import create_engines
 from tether.trainer.model import full_tensors
 from tether.trainer.group import TrainerGroup
@@ -20,9 +19,14 @@ pytestmark = pytest.mark.integration
 
 
 def engine_sample(engine, prompt, seed=7):
-    params = SamplingParams(temperature=1.0, max_new_tokens=8)
-    out = wait(engine.generate.remote([GenerateRequest(prompt, params)], seed), 60, "engine generate")[0]
-    return out.output_ids, out.output_logprobs
+    """One sampled response and its log-probs, over the engine's HTTP API (as a rollout asks)."""
+    url = wait(engine.url.remote(), 60, "engine url")
+    reply = httpx.post(f"{url}/generate", timeout=60, json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": seed}})
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
 def trainer_weights(trainer) -> dict[str, torch.Tensor]:

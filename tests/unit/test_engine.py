@@ -4,13 +4,15 @@ agreement with the trainer's log-prob recomputation, and weight / memory managem
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tether.algorithms.losses import LossParams
 from tether.batch import TrainBatch
-from tether.engine.base import MEMORY_TAGS, GenerateRequest
+from tether.engine.base import MEMORY_TAGS
+from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine, EngineError
 from tether.engine.generate import generate_batch, left_pad
 from tether.engine.sampling import SamplingParams, filter_logits, sample_next
@@ -60,8 +62,19 @@ def _step_settings(pad_id: int, micro_batch_size: int = 3) -> StepSettings:
                         grad_clip=1.0, policy_loss="ppo_clip", loss_params=LossParams(), advantage_estimator="grpo")
 
 
-def _requests(prompts, params) -> list[GenerateRequest]:
-    return [GenerateRequest(prompt_ids=list(p), sampling=params) for p in prompts]
+def _requests(prompts, params) -> list[tuple[list[int], SamplingParams]]:
+    return [(list(p), params) for p in prompts]
+
+
+def _generate(engine: EmbeddedEngine, requests, seed: int):
+    """Through a serving core, the path every request takes (request i samples with seed + i); the
+    core admits at most engine.max_batch rows at once, so larger request lists run in waves."""
+    core = EngineCore(engine, engine.tokenizer, max_batch=engine.max_batch)
+    try:
+        reqs = core.submit_many([(p, replace(params, seed=seed + i), None) for i, (p, params) in enumerate(requests)])
+        return [r.future.result(timeout=60) for r in reqs]
+    finally:
+        core.shutdown()
 
 
 # --------------------------------------------------------------------------- #
@@ -259,9 +272,9 @@ def test_sampled_outputs_end_at_stop_tokens(model, tokenizer, prompts):
 def test_seed_reproduces_and_different_seed_differs(engine, prompts):
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     requests = _requests(prompts, params)
-    first = engine.generate(requests, seed=123)
-    again = engine.generate(requests, seed=123)
-    other = engine.generate(requests, seed=124)
+    first = _generate(engine, requests, seed=123)
+    again = _generate(engine, requests, seed=123)
+    other = _generate(engine, requests, seed=124)
     assert [o.output_ids for o in first] == [o.output_ids for o in again]
     assert [o.output_logprobs for o in first] == [o.output_logprobs for o in again]
     assert [o.output_ids for o in first] != [o.output_ids for o in other]
@@ -273,10 +286,10 @@ def test_engine_logprobs_equal_trainer_recomputation(engine, tokenizer, prompts,
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=10)
     group = 2
     requests = _requests([p for p in prompts for _ in range(group)], params)  # 12 > max_batch=4: three chunks
-    outputs = engine.generate(requests, seed=7)
+    outputs = _generate(engine, requests, seed=7)
     batch = TrainBatch(
-        tokens=[r.prompt_ids + o.output_ids for r, o in zip(requests, outputs)],
-        prompt_lengths=[len(r.prompt_ids) for r in requests],
+        tokens=[p + o.output_ids for (p, _), o in zip(requests, outputs)],
+        prompt_lengths=[len(p) for p, _ in requests],
         response_lengths=[len(o.output_ids) for o in outputs],
         group_size=group,
         rewards=[0.0] * len(requests),
@@ -331,12 +344,11 @@ def test_engine_basics(engine, tokenizer):
 def test_engine_generate_preserves_request_order_across_sampling_groups(engine, prompts):
     greedy = SamplingParams(temperature=0, max_new_tokens=5)
     shorter = SamplingParams(temperature=0, max_new_tokens=3)
-    mixed = [GenerateRequest(list(p), greedy if i % 2 else shorter) for i, p in enumerate(prompts)]
-    outs = engine.generate(mixed, seed=0)
+    mixed = [(list(p), greedy if i % 2 else shorter) for i, p in enumerate(prompts)]
+    outs = _generate(engine, mixed, seed=0)
     assert [len(o.output_ids) for o in outs] == [3 if i % 2 == 0 else 5 for i in range(len(prompts))]
-    alone = [engine.generate([r], seed=0)[0] for r in mixed]
+    alone = [_generate(engine, [r], seed=0)[0] for r in mixed]
     assert [o.output_ids for o in outs] == [o.output_ids for o in alone]
-    assert engine.health()["served"] == 2 * len(prompts)
 
 
 def test_release_weights_frees_storage_and_blocks_generate(engine, prompts):
@@ -344,7 +356,7 @@ def test_release_weights_frees_storage_and_blocks_generate(engine, prompts):
     assert all(p.numel() == 0 for p in engine.model.parameters())
     assert engine.health()["released"] == ["weights"]
     with pytest.raises(EngineError, match="resume"):
-        engine.generate(_requests(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2)), seed=0)
+        _generate(engine, _requests(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2)), seed=0)
     # Releasing twice is harmless.
     engine.release_memory(["weights"])
     assert engine.health()["released"] == ["weights"]
@@ -355,14 +367,14 @@ def test_release_kv_cache_blocks_generate_until_resumed(engine, prompts):
     engine.release_memory(["kv_cache"])
     assert engine.health()["kv_cache"] is False
     with pytest.raises(EngineError, match="resume"):
-        engine.generate(requests, seed=0)
+        _generate(engine, requests, seed=0)
     engine.resume_memory(["kv_cache"])
-    assert len(engine.generate(requests, seed=0)) == 2
+    assert len(_generate(engine, requests, seed=0)) == 2
 
 
 def test_resume_and_reload_restores_identical_outputs(engine, prompts):
     requests = _requests(prompts[:4], SamplingParams(temperature=0.8, max_new_tokens=6))
-    before = engine.generate(requests, seed=5)
+    before = _generate(engine, requests, seed=5)
     state = _state(engine)
     engine.release_memory(["weights", "kv_cache"])
     engine.resume_memory(["weights", "kv_cache"])
@@ -373,7 +385,7 @@ def test_resume_and_reload_restores_identical_outputs(engine, prompts):
     assert engine.load_weight_bucket({n: state[n] for n in names[half:]}, version=1) == len(names) - half
     assert engine.commit_weights(1) == 1
     assert engine.health()["weight_version"] == 1
-    after = engine.generate(requests, seed=5)
+    after = _generate(engine, requests, seed=5)
     assert [o.output_ids for o in after] == [o.output_ids for o in before]
     assert [o.output_logprobs for o in after] == [o.output_logprobs for o in before]
 
@@ -394,12 +406,12 @@ def test_commit_after_resume_without_all_tensors_raises(engine):
 def test_weight_update_without_release_commits(engine, prompts):
     # A plain update (no offload): new values are served after commit.
     requests = _requests(prompts[:3], SamplingParams(temperature=0, max_new_tokens=6))
-    before = engine.generate(requests, seed=0)
+    before = _generate(engine, requests, seed=0)
     state = _state(engine)
     changed = {name: t * 1.5 if t.dim() == 2 else t for name, t in state.items()}
     engine.load_weight_bucket(changed, version=1)
     engine.commit_weights(1)
-    after = engine.generate(requests, seed=0)
+    after = _generate(engine, requests, seed=0)
     assert [o.output_logprobs for o in after] != [o.output_logprobs for o in before]
 
 
@@ -432,4 +444,4 @@ def test_generate_after_resume_without_reload_raises(engine, prompts):
     engine.release_memory(["weights"])
     engine.resume_memory(["weights"])
     with pytest.raises(EngineError):
-        engine.generate(_requests(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2)), seed=0)
+        _generate(engine, _requests(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2)), seed=0)

@@ -7,23 +7,21 @@ buckets from the trainer arrive as Ray calls (object-store references: shared me
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
-from tether.engine.base import GenerateRequest
+from tether.engine.base import EngineBackend, node_address
 from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
-from tether.engine.generate import GenerateOutput
 from tether.engine.server import EngineServer
 from tether.weight_sync.base import copy_threads
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
 
 
-class EngineActor:
+class EngineActor(EngineBackend):
     def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
                  device: str = "cpu", deterministic: bool = False, max_batch_tokens: int = 1 << 16,
                  host: str = "127.0.0.1", seed: int = 0, onednn_linear: bool = True,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, port: int = 0):
         self.core = start_engine_core(
             lambda: EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic, onednn_linear),
             max_batch=max_batch, max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens, seed=seed)
@@ -31,26 +29,12 @@ class EngineActor:
         self._segment = SegmentReader()  # the trainer's weight-sync segment, when it is on this host
         advertised = host
         if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router
-            import ray
-
-            advertised = ray.util.get_node_ip_address()
-        self.server = EngineServer(self.core, host=host).start()
+            advertised = node_address()
+        self.server = EngineServer(self.core, host=host, port=port).start()
         self._url = f"http://{advertised}:{self.server.port}"
 
     def url(self) -> str:
         return self._url
-
-    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
-        """Direct (non-HTTP) generation, for diagnostics: request i samples with seed + i."""
-        reqs = self.core.submit_many([(r.prompt_ids, replace(r.sampling, seed=seed + i), None)
-                                      for i, r in enumerate(requests)])
-        return [r.future.result() for r in reqs]
-
-    def node_id(self) -> str:
-        """The Ray node this engine runs on (weight sync uses shared memory with a trainer on the same one)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int, overlapped: bool = False) -> int:
         """One bucket from ObjectStoreSender, copied into the model from shared memory or the object store
@@ -73,7 +57,7 @@ class EngineActor:
         self.core.resume_memory(tags)
 
     def health(self) -> dict:
-        return {**self.engine.health(), **self.core.load(), "url": self._url, "pid": os.getpid()}
+        return {**self.engine.health(), **self.core.load(), "url": self._url, "pid": os.getpid(), "backend": "embedded"}
 
     def shutdown(self) -> None:
         self.server.stop()

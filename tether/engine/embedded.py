@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from tether.engine.base import KV_CACHE, WEIGHTS, Engine, GenerateRequest, check_tags
-from tether.engine.generate import GenerateOutput, generate_batch
+from tether.engine.base import KV_CACHE, WEIGHTS, Engine, check_tags
 from tether.engine.kernels import drop_packed, onednn_available, pack_linears
 from tether.hf import load_model, load_tokenizer
 
@@ -48,32 +47,8 @@ class EmbeddedEngine(Engine):
         self.weight_version = 0
         self.weights_changed = 0  # bumped by every change of the weights' values (caches of KV watch it)
         self.released: set[str] = set()
-        self.served = 0
         self._shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
         self._pending: set[str] = set()
-
-    # ------------------------------------------------------------ generation
-    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateOutput]:
-        if self.released:
-            raise EngineError(f"engine memory is released ({sorted(self.released)}): resume it before generate")
-        if self._pending:
-            raise EngineError(f"{len(self._pending)} weight tensors were reallocated but never loaded "
-                              f"(e.g. {sorted(self._pending)[0]}): push weights before generate")
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        outputs: list[GenerateOutput | None] = [None] * len(requests)
-        # Requests with the same sampling settings share a batch (a rollout is usually one group).
-        by_params: dict = {}
-        for i, req in enumerate(requests):
-            by_params.setdefault(req.sampling, []).append(i)
-        for params, indices in by_params.items():
-            for start in range(0, len(indices), self.max_batch):
-                chunk = indices[start : start + self.max_batch]
-                results = generate_batch(self.model, [requests[i].prompt_ids for i in chunk], params,
-                                         self.eos_ids, self.pad_id, generator)
-                for i, result in zip(chunk, results):
-                    outputs[i] = result
-        self.served += len(requests)
-        return outputs  # type: ignore[return-value]
 
     @property
     def pending_weights(self) -> int:
@@ -124,8 +99,8 @@ class EmbeddedEngine(Engine):
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 drop_packed(self.model)  # the packed copies are weights too
-            # The KV cache lives only for the duration of one generate call here, so kv_cache has
-            # nothing persistent to free; the tag is still tracked so generate refuses to run.
+            # The KV cache belongs to the serving core (its running batch and prefix cache, which
+            # EngineCore.release_memory drops); the tag is tracked here so the core refuses new requests.
             self.released.add(tag)
 
     def resume_memory(self, tags: list[str]) -> None:
@@ -139,4 +114,4 @@ class EmbeddedEngine(Engine):
 
     def health(self) -> dict:
         return {"ok": True, "weight_version": self.weight_version, "released": sorted(self.released),
-                "served": self.served, "time": time.time(), "kv_cache": KV_CACHE not in self.released}
+                "time": time.time(), "kv_cache": KV_CACHE not in self.released}

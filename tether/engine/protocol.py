@@ -46,13 +46,25 @@ class GenerateIn(Strict):
     return_logprob: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
+    # Fields SGLang's clients and sglang-router send with their defaults; accepted so that they can
+    # talk to this engine, refused when asked for something this engine does not do.
+    model: str | None = None
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateIn:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
-        if self.stream:
-            raise ValueError("stream=true is not supported by this engine yet")
+        unsupported = [name for name in ("stream", "return_hidden_states", "return_entropy", "return_bytes",
+                                         "background") if getattr(self, name)]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}=true is not supported by this engine")
         return self
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,28 +11,26 @@ import ray
 
 from tether.cluster import Placement, actor_resources, dead_actors, torch_threads, wait
 from tether.config import TetherConfig
-from tether.engine.actor import EngineActor
+from tether.engine.backends import engine_spec, startup_timeout_s
 from tether.errors import EngineDiedError
 from tether.faults import crash_point
 from tether.rollout.manager import MANAGER_SECONDS, RolloutManager
 
 
 def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
-    """The engine actors, created and not waited for: they load their models while the trainer and
-    the rollout manager start (RolloutHandle waits for them)."""
-    c, r = cfg.cluster, cfg.rollout
+    """The engine actors of rollout.engine's backend, created and not waited for: they load their
+    models while the trainer and the rollout manager start (RolloutHandle waits for them). None for
+    rollout.external_engines: those servers run already."""
+    c = cfg.cluster
+    if cfg.rollout.external_engines:
+        return []
     share = 2 if placement.colocate else 1
     busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
-    cls = ray.remote(EngineActor)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
-    return [
-        cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(
-            cfg.model.path, dtype=cfg.model.dtype, max_batch=r.max_generate_batch, threads=torch_threads(c, busy),
-            device=device, deterministic=cfg.deterministic, max_batch_tokens=r.max_batch_tokens,
-            host=r.engine_host, seed=cfg.seed, onednn_linear=r.onednn_linear,
-            prefix_cache_tokens=r.prefix_cache_tokens)
-        for bundle in placement.engine_bundles
-    ]
+    cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
+    actor = ray.remote(cls)
+    return [actor.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(**kwargs)
+            for bundle in placement.engine_bundles]
 
 
 class RolloutHandle:
@@ -45,11 +44,12 @@ class RolloutHandle:
         self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"))
         self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
         self.ready_s = {"rollout manager": time.perf_counter() - start}
-        health = wait([e.health.remote() for e in engines], self.timeout_s,
-                      f"{len(engines)} engine(s) to load {cfg.model.path}")
+        health = wait([e.health.remote() for e in engines], startup_timeout_s(cfg),
+                      f"{len(engines)} {cfg.rollout.engine} engine(s) to load {cfg.model.path}")
         self.ready_s["engines"] = time.perf_counter() - start
         self.engine_pids = [h["pid"] for h in health]
-        self._get(self.actor.connect_engines.remote([h["url"] for h in health]), "connect_engines")
+        urls = [h["url"] for h in health] + list(cfg.rollout.external_engines)
+        self._get(self.actor.connect_engines.remote(urls), "connect_engines")
 
     def _get(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
         return wait(ref, self.timeout_s + extra_s, f"rollout.{what}")
@@ -119,6 +119,11 @@ class RolloutHandle:
 
     def shutdown(self) -> None:
         ray.kill(self.actor)
+        # Engines stop their servers first (a vLLM or SGLang server and the processes it started), then go.
+        try:
+            wait([e.shutdown.remote() for e in self.engines], 60, "engines stopping their servers")
+        except Exception as err:  # a dead or stuck engine: killing its actor below is all that is left
+            print(f"[tether] engine shutdown: {str(err).splitlines()[0]}", file=sys.stderr)
         for engine in self.engines:
             ray.kill(engine)
 

@@ -339,7 +339,8 @@ class RolloutStream:
     async def _pause(self) -> None:
         self._set_paused(True)
         if self.s.pause_mode == "in_place":
-            await asyncio.to_thread(self.fleet.router.broadcast, "/pause_generation")
+            # SGLang's default pause mode aborts; "in_place" keeps running requests and their KV.
+            await asyncio.to_thread(self.fleet.router.broadcast, "/pause_generation", {"mode": "in_place"})
             return
         for flight in self.running.values():
             flight.cut = "pause"

@@ -59,9 +59,10 @@ class TrainerGroup:
     def score(self, batch: Any) -> list[list[float]]:
         return self.group.call("score", batch, what="score")[0]
 
-    def connect_engines(self, engines: list[Any]) -> None:
+    def connect_engines(self, engines: list[Any], external_urls: list[str] = ()) -> None:
+        """Engine actors (their servers' URLs are asked) and servers already running elsewhere."""
         urls = wait([e.url.remote() for e in engines], self.group.timeout_s, "engine server addresses")
-        self.group.call("connect_engines", engines, urls, what="connect engines")
+        self.group.call("connect_engines", engines, urls + list(external_urls), what="connect engines")
 
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()

@@ -116,7 +116,7 @@ class DistributedSender(WeightSender):
         the seconds spent broadcasting."""
         body = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": "tether-weights",
-                "weight_version": version}
+                "weight_version": None if version is None else str(version)}  # SGLang types it as a string
         calls = [self._pool.submit(self._post, url, "/update_weights_from_distributed", body) for url in self.urls]
         start = time.perf_counter()
         for _, tensor in bucket:

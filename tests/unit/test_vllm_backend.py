@@ -1,0 +1,99 @@
+"""The vLLM backend's translation (SGLang-shaped contract <-> vLLM's endpoints), its command line, the
+server-process lifecycle, and the config refusals; no vLLM needed (the contract suite runs it)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tether.config import ConfigError, config_from_dict
+from tether.engine.config import VllmConfig
+from tether.engine.protocol import SamplingParamsIn
+from tether.engine.server_process import ServerProcess
+from tether.engine.vllm import WORKER_EXTENSION, vllm_command
+from tether.engine.vllm_adapter import sglang_reply, version_spans, vllm_sampling
+from tether.errors import EngineStartError
+
+
+def test_sampling_parameters_map_to_vllms_names():
+    sp = SamplingParamsIn(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, stop_token_ids=[3], stop="\n",
+                          sampling_seed=11, ignore_eos=True)
+    out = vllm_sampling(sp, logprobs=True)
+    assert out == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "ignore_eos": True,
+                   "skip_special_tokens": True, "stop_token_ids": [3], "stop": ["\n"], "seed": 11, "logprobs": 0}
+    assert "logprobs" not in vllm_sampling(SamplingParamsIn(), logprobs=False)
+
+
+def test_version_spans_merge_and_map_the_initial_label():
+    spans = [{"version": "default", "start": 0, "end": 3}, {"version": "4", "start": 3, "end": 5},
+             {"version": "4", "start": 5, "end": 9}]
+    assert version_spans(spans, version=3) == [[3, 3], [4, 6]]
+    assert version_spans(None, version=2) == []
+
+
+def test_a_vllm_choice_becomes_an_sglang_reply():
+    choice = {"finish_reason": "length", "token_ids": [7, 8], "weight_versions": [{"version": "1", "start": 0, "end": 2}],
+              "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}, {"token_id": 8, "logprob": -1.5}]}}
+    out = sglang_reply(choice, "r1", 4, "ab", True, version=1)
+    assert out["output_ids"] == [7, 8] and out["text"] == "ab"
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 2} and meta["id"] == "r1"
+    assert meta["output_token_logprobs"] == [[-0.5, 7, None], [-1.5, 8, None]]
+    assert meta["weight_version"] == 1 and "weight_version_spans" not in meta
+    both = sglang_reply({**choice, "weight_versions": [{"version": "1", "start": 0, "end": 1},
+                                                       {"version": "2", "start": 1, "end": 2}]}, "r", 1, "", False, 2)
+    assert both["meta_info"]["weight_version_spans"] == [[1, 1], [2, 1]] and both["meta_info"]["weight_version"] == 1
+    assert sglang_reply({"finish_reason": "abort", "token_ids": []}, "r", 1, "", False, 0)["meta_info"][
+        "finish_reason"]["type"] == "abort"
+    assert sglang_reply({"finish_reason": "stop", "stop_reason": 5, "token_ids": [5]}, "r", 1, "", False, 0)[
+        "meta_info"]["finish_reason"] == {"type": "stop", "matched": 5}
+
+
+def test_the_vllm_command_line():
+    cfg = VllmConfig(extra_args=["--max-num-seqs", "64"], env={"X": "1"}, max_model_len=512)
+    args, env = vllm_command("/m", 1234, cfg, "float32", 3, "cpu")
+    assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"] and args[-2:] == ["--max-num-seqs", "64"]
+    assert args[args.index("--port") + 1] == "1234" and args[args.index("--max-model-len") + 1] == "512"
+    assert args[args.index("--worker-extension-cls") + 1] == WORKER_EXTENSION and "--enforce-eager" in args
+    assert "--enable-scale-out" in args and args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["X"] == "1" and "VLLM_CPU_KVCACHE_SPACE" in env
+    gpu_args, gpu_env = vllm_command("/m", 1, VllmConfig(), "bfloat16", 0, "cuda")
+    assert "--enable-sleep-mode" in gpu_args and "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
+    assert "--max-model-len" not in gpu_args  # the model's own limit
+
+
+def test_a_server_that_exits_is_reported_with_its_command_and_log(tmp_path):
+    proc = ServerProcess("test server", ["-c", "print('loading'); raise SystemExit('bad flag --x')"], None, {},
+                         tmp_path / "s.log", "http://127.0.0.1:9/health")
+    with pytest.raises(EngineStartError) as info:
+        proc.wait_healthy(30)
+    text = str(info.value)
+    assert "test server exited with code 1" in text and "bad flag --x" in text and sys.executable in text
+    proc.stop()
+
+
+def test_a_server_that_never_answers_times_out_naming_the_url(tmp_path):
+    proc = ServerProcess("slow server", ["-c", "import time; time.sleep(60)"], None, {}, tmp_path / "s.log",
+                         "http://127.0.0.1:9/health")
+    with pytest.raises(EngineStartError, match=r"did not answer http://127.0.0.1:9/health within 1s"):
+        proc.wait_healthy(1)
+    proc.stop()
+    assert not proc.alive()
+
+
+def _raw(**rollout) -> dict:
+    return {"model": {"path": "m"}, "rollout": rollout}
+
+
+def test_engine_choices_are_checked_at_load():
+    assert config_from_dict(_raw(engine="vllm")).rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        config_from_dict(_raw(engine="tgi"))
+    with pytest.raises(ConfigError, match="sglang runs on GPUs"):
+        config_from_dict(_raw(engine="sglang"))
+    with pytest.raises(ConfigError, match="vllm.startup_timeout_s"):
+        config_from_dict({**_raw(engine="vllm"), "vllm": {"startup_timeout_s": 0}})
+    with pytest.raises(ConfigError, match="vllm.pythn"):
+        config_from_dict({**_raw(engine="vllm"), "vllm": {"pythn": "x"}})
+    assert config_from_dict({**_raw(), "cluster": {"router": "sglang_router"}}).cluster.router == "sglang_router"

