@@ -68,7 +68,10 @@ def ray_session():
     """One local Ray for all integration tests (starting Ray costs seconds)."""
     import ray
 
+    from tether.cluster import loopback_only
+
     if not ray.is_initialized():
+        loopback_only()  # as tether's own local Ray
         ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray

@@ -6,7 +6,8 @@ Layout of ``<checkpoint_dir>``::
     rollout_000012/             state after rollout 12 finished
         meta.json               rollout id, wall time, resolved config
         train/                  torch.distributed.checkpoint (DCP): model and optimizer shards, LR
-                                scheduler, RNG states (python, numpy, torch) of every trainer rank
+                                scheduler, RNG states (python, numpy, torch; as tensors) of every trainer
+                                rank. Loaded without running code from the files (safe_load.py)
         data_source.json        prompt-data position (epoch, offset, seed)
         hf_config/              the model's config and tokenizer (no weights): `tether export` needs nothing else
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 import time
@@ -32,6 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from tether.safe_load import SafeLoadPlanner, SafeReader
 
 LATEST = "latest"
 META = "meta.json"
@@ -155,15 +157,22 @@ def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[P
     return removed
 
 
-def rng_state() -> bytes:
-    """Python, numpy and torch RNG states, pickled: DCP stores bytes as they are."""
-    return pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+def rng_state() -> dict[str, torch.Tensor]:
+    """Python, numpy and torch RNG states as tensors (no pickle in a checkpoint; safe_load.py)."""
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python_mt": torch.tensor(mt, dtype=torch.int64),
+            "python_gauss": torch.tensor([version, float("nan") if gauss is None else gauss], dtype=torch.float64),
+            "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+            "numpy_rest": torch.tensor([pos, has_gauss, cached], dtype=torch.float64),
+            "torch": torch.get_rng_state()}
 
 
-def set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    version, gauss = state["python_gauss"].tolist()
+    random.setstate((int(version), tuple(state["python_mt"].tolist()), None if gauss != gauss else gauss))
+    pos, has_gauss, cached = state["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
     torch.set_rng_state(state["torch"])
 
 
@@ -197,8 +206,8 @@ class TrainerState(Stateful):
         if not self.with_rng:
             return state
         del state[f"rng_rank{self.rank}"]
-        if self.rng_rank is not None:
-            state[f"rng_rank{self.rng_rank}"] = b""
+        if self.rng_rank is not None:  # shapes to load into (every rank's state has the same)
+            state[f"rng_rank{self.rng_rank}"] = {k: torch.empty_like(v) for k, v in rng_state().items()}
         return state
 
 
@@ -222,7 +231,9 @@ def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world
     if critic is not None:
         parts["critic"] = _critic_state(critic, rank)
     request = {name: part.request() for name, part in parts.items()}
-    dcp.load(request, checkpoint_id=str(path / "train"))
+    reader = SafeReader(str(path / "train"))
+    reader.read_metadata()  # refuses unsafe metadata here, with its own error rather than DCP's wrapped one
+    dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner())
     for name, part in parts.items():
         part.load_state_dict(request[name])
 

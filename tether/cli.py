@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--vllm-python", help="the Python of vLLM's environment (default: tether's)")
     serve.add_argument("--log-dir", default="engine_logs", help="where a vLLM server's log goes")
+    serve.add_argument("--require-key-for-generate", action="store_true",
+                       help="ask for TETHER_API_KEY on generation routes too (control routes always need it when set)")
     export = sub.add_parser("export", help="write a checkpoint's model as an HF directory",
                             description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
     export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tether.serve import serve
 
-        serve(args.engine, args.model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir)
+        serve(args.engine, args.model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir,
+              args.require_key_for_generate)
         return 0
     if args.command == "report":
         from tether.report import report

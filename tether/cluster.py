@@ -22,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tether.config import ClusterConfig
+from tether.http_guard import API_KEY_ENV
 
 
 class RemoteTimeout(TimeoutError):
@@ -47,6 +48,7 @@ def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
     # A local cluster's workers inherit this process's environment. Without a runtime_env of the
     # job's own, the workers Ray starts ahead of time can become actors (no fresh process each).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    loopback_only()
     # Actors pin torch threads themselves; logical CPUs only need to cover the layout.
     need = int(num_bundles * cfg.cpus_per_bundle) + 2  # + rollout manager and slack
     ray.init(
@@ -55,6 +57,15 @@ def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
         include_dashboard=False,
         log_to_driver=True,
     )
+
+
+def loopback_only() -> None:
+    """Make a local Ray listen on loopback only (GCS, raylet, object manager, agents, workers), not on
+    every interface where anyone on the network could submit jobs. Ray does so when multi-node
+    clusters are off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): its node address is then 127.0.0.1. The
+    processes Ray starts read the variable; this process read it at import, so its constant is set too."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @dataclass
@@ -97,6 +108,13 @@ def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
 def actor_resources(cfg: ClusterConfig, share: int) -> dict[str, float]:
     """Resources for one actor that shares its bundle with ``share`` actors (colocated layouts)."""
     return {"num_cpus": cfg.cpus_per_bundle / share, "num_gpus": cfg.gpus_per_bundle / share}
+
+
+def key_env(cfg: ClusterConfig) -> dict[str, Any]:
+    """Actor options that hand cluster.api_key (or the driver's TETHER_API_KEY) to the actor's
+    environment, where tether's engine clients read it (http_guard.auth_headers)."""
+    key = cfg.api_key or os.environ.get(API_KEY_ENV)
+    return {"runtime_env": {"env_vars": {API_KEY_ENV: key}}} if key else {}
 
 
 def torch_threads(cfg: ClusterConfig, busy_actors: int) -> int:

@@ -9,6 +9,7 @@ here silently changes a value the user wrote. This module imports without torch 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -17,8 +18,11 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tether.config_base import Section
 from tether.config_raw import apply_overrides, resolve_function_specs
-from tether.engine.config import SglangConfig, VllmConfig
+from tether.engine.config import ServerConfig, SglangConfig, VllmConfig
 from tether.errors import ConfigError
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class ClusterConfig(Section):
@@ -51,6 +55,11 @@ class ClusterConfig(Section):
     """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
     collective_timeout_s: float = Field(300.0, gt=0)
     """torch.distributed timeout for collectives between trainer ranks."""
+    api_key: str | None = None
+    """Bearer token that tether's servers ask for on control routes (weight updates, memory, pause/abort,
+    flush; with server.require_key_for_generate on every route but /health) and tether's clients send.
+    Needed when rollout.engine_host is not loopback. None: the TETHER_API_KEY environment variable,
+    which keeps it out of config files (the config a run writes never holds the key)."""
     router: Literal["builtin", "sglang_router"] = "builtin"
     """What spreads requests over the engines: tether's router (least-loaded, in the rollout manager), or
     the sglang-router package's cache-aware router (prefix-aware placement for multi-turn rollouts),
@@ -469,6 +478,8 @@ class TetherConfig(Section):
     """The vLLM backend's server settings (rollout.engine: vllm)."""
     sglang: SglangConfig = SglangConfig()
     """The SGLang backend's server settings (rollout.engine: sglang)."""
+    server: ServerConfig = ServerConfig()
+    """Limits of tether's HTTP servers (engines, the vLLM adapter, chat sessions)."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning data (`tether sft`)."""
     debug: DebugConfig = DebugConfig()
@@ -535,6 +546,12 @@ class TetherConfig(Section):
 
     def _check_engines(self) -> None:
         r, c = self.rollout, self.cluster
+        if r.engine_host not in LOOPBACK and not (c.api_key or os.environ.get("TETHER_API_KEY")):
+            raise ValueError(f"rollout.engine_host={r.engine_host} lets other machines reach the engines' control "
+                             "routes (weight updates, memory, abort): set cluster.api_key or TETHER_API_KEY")
+        if c.router == "sglang_router" and self.server.require_key_for_generate:
+            raise ValueError("server.require_key_for_generate with cluster.router: sglang_router: the router's requests "
+                             "to the engines carry no key; use the builtin router")
         if r.engine == "sglang" and not c.gpus_per_bundle and not r.external_engines:
             raise ValueError("rollout.engine: sglang runs on GPUs only: set cluster.gpus_per_bundle, or use "
                              "rollout.engine: embedded or vllm on CPU")
@@ -606,6 +623,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(raw, source)
 
 
+def public_dict(cfg: TetherConfig) -> dict:
+    """The config as written to files, logs and trackers: every value but the API key."""
+    raw = cfg.model_dump(mode="json")
+    if raw["cluster"]["api_key"] is not None:
+        raw["cluster"]["api_key"] = "<redacted>"
+    return raw
+
+
 def dump_config(cfg: TetherConfig) -> str:
-    """The resolved config as YAML (what --dry-run prints and checkpoints store)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (what --dry-run prints and checkpoints store), without the API key."""
+    return yaml.safe_dump(public_dict(cfg), sort_keys=False)

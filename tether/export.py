@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tether.checkpoint import HF_CONFIG, META, find_latest, read_meta
 from tether.hf import DTYPES
+from tether.safe_load import SafeLoadPlanner, SafeReader
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
@@ -34,7 +35,9 @@ def export_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_cfg["dtype"]])
     state = model.state_dict()
-    dcp.load({"train": {"model": state}}, checkpoint_id=str(path / "train"))  # fills `state` in place
+    reader = SafeReader(str(path / "train"))  # fills `state` in place, without running code from the files
+    reader.read_metadata()
+    dcp.load({"train": {"model": state}}, storage_reader=reader, planner=SafeLoadPlanner())
     model.load_state_dict(state)
     model.tie_weights()
     out_dir = Path(out_dir)

@@ -14,6 +14,7 @@ and gets a ReadError for a request the engine never saw.
 from __future__ import annotations
 
 import functools
+import os
 import ssl
 from typing import Any
 
@@ -38,6 +39,13 @@ def async_client(timeout_s: float, limits: httpx.Limits | None = None, **kwargs:
     return httpx.AsyncClient(timeout=timeout_s, verify=tls_context(), limits=limits or pool_limits(), **kwargs)
 
 
-def sync_client(timeout_s: float) -> httpx.Client:
+def sync_client(timeout_s: float, headers: dict[str, str] | None = None) -> httpx.Client:
     """``httpx.Client(timeout=timeout_s)`` with the shared TLS context and pool_limits()."""
-    return httpx.Client(timeout=timeout_s, verify=tls_context(), limits=pool_limits())
+    return httpx.Client(timeout=timeout_s, verify=tls_context(), limits=pool_limits(), headers=headers)
+
+
+def engine_headers() -> dict[str, str]:
+    """Headers for requests to engines: the API key of this process (TETHER_API_KEY), if any. Only
+    engine clients send it; reward servers and tools are other people's servers."""
+    key = os.environ.get("TETHER_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import httpx
 
-from tether.http_client import sync_client
+from tether.http_client import engine_headers, sync_client
 
 
 class NoHealthyWorker(RuntimeError):
@@ -37,7 +37,7 @@ class Router:
         self.timeout_s = timeout_s
         self._workers: dict[str, Worker] = {}
         self._lock = threading.Lock()
-        self._client = sync_client(timeout_s)
+        self._client = sync_client(timeout_s, headers=engine_headers())
         for url in urls or []:
             self.add_worker(url)
 

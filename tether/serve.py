@@ -14,22 +14,32 @@ import signal
 import sys
 import threading
 
+from tether.config import LOOPBACK
 from tether.engine.base import EngineBackend
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits, api_key_from_env
 
 
 def start_backend(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None,
-                  log_dir: str) -> EngineBackend:
+                  log_dir: str, limits: ServerLimits = DEFAULT_LIMITS) -> EngineBackend:
     if engine == "vllm":
         from tether.engine.vllm import VllmEngineActor
 
-        return VllmEngineActor(model, {"python": vllm_python}, dtype=dtype, host=host, port=port, log_dir=log_dir)
+        return VllmEngineActor(model, {"python": vllm_python}, dtype=dtype, host=host, port=port, log_dir=log_dir,
+                               limits=limits)
     from tether.engine.actor import EngineActor
 
-    return EngineActor(model, dtype=dtype, host=host, port=port, prefix_cache_tokens=8192)
+    return EngineActor(model, dtype=dtype, host=host, port=port, prefix_cache_tokens=8192, limits=limits)
 
 
-def serve(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None, log_dir: str) -> None:
-    backend = start_backend(engine, model, host, port, dtype, vllm_python, log_dir)
+def serve(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None, log_dir: str,
+          require_key_for_generate: bool = False) -> None:
+    """The API key comes from TETHER_API_KEY (never a command-line argument, which others can read in ps)."""
+    key = api_key_from_env()
+    if host not in LOOPBACK and not key:
+        raise SystemExit(f"tether serve --host {host} lets other machines replace the weights, pause or abort: "
+                         "set TETHER_API_KEY (clients send it as 'Authorization: Bearer <key>')")
+    limits = ServerLimits(api_key=key, require_key_for_generate=require_key_for_generate)
+    backend = start_backend(engine, model, host, port, dtype, vllm_python, log_dir, limits)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,7 +10,7 @@ from pathlib import Path
 from tether.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import plan_placement
 from tether.engine.backends import placed_engines
-from tether.config import TetherConfig
+from tether.config import TetherConfig, public_dict
 from tether.loop import LoopPlan, run_loop
 from tether.loop_async import run_fully_async, run_one_step_off
 from tether.resume import check_resume_config, trim_jsonl
@@ -47,7 +47,7 @@ def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str 
         return None, 0, {}
     path, rollout_id = found
     meta = read_meta(path)
-    check_resume_config(meta["config"], cfg.model_dump(mode="json"), str(path))
+    check_resume_config(meta["config"], public_dict(cfg), str(path))
     out = Path(cfg.output_dir)
     metrics_path = out / "metrics.jsonl"
     trim_jsonl(metrics_path, lambda row: row.get("step", 0) <= rollout_id + 1)
@@ -72,7 +72,7 @@ def restore_metrics_row(path: Path, row: dict | None) -> bool:
 
 def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | None = None) -> Tracker:
     t = cfg.tracking
-    return Tracker(cfg.output_dir, run_name=t.run_name or Path(cfg.output_dir).name, config=cfg.model_dump(mode="json"),
+    return Tracker(cfg.output_dir, run_name=t.run_name or Path(cfg.output_dir).name, config=public_dict(cfg),
                    jsonl=t.jsonl, tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
                    wandb_mode=t.wandb_mode, console=t.console, step_label=step_label, resume_run_id=run_id)
 
@@ -115,7 +115,7 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
                         redo_eval=meta.get("redo_eval", False))
         # Same run id on resume: TensorBoard and W&B continue the run instead of starting another.
         tracker = make_tracker(cfg, run_id=meta.get("tracker_run_id"))
-        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.model_dump(mode="json"), cfg.checkpoint.keep_last,
+        checkpointer = Checkpointer(cfg.checkpoint_dir, public_dict(cfg), cfg.checkpoint.keep_last,
                                     extra=lambda: {"tracker_run_id": tracker.run_id,
                                                    "train_world_size": cfg.cluster.num_train_actors},
                                     hf_source=cfg.model.path)

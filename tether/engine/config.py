@@ -1,4 +1,4 @@
-"""Config sections of the external engine backends (``vllm:`` and ``sglang:`` in a recipe), beside the
+"""Config sections of the engine backends (``vllm:``, ``sglang:``) and their servers (``server:``), beside the
 backends they configure. Imports no torch: ``tether train --dry-run`` reads them."""
 
 from __future__ import annotations
@@ -45,3 +45,19 @@ class SglangConfig(ServerProcessConfig):
     """SGLang's --tp-size (GPUs per engine)."""
     enable_memory_saver: bool = True
     """--enable-memory-saver, needed by /release_memory_occupation when colocated."""
+
+
+class ServerConfig(Section):
+    """Limits of tether's HTTP servers (engines, the vLLM adapter, chat sessions); a request past one
+    gets a 4xx naming it, before any work is done for it."""
+
+    require_key_for_generate: bool = False
+    """Also ask for cluster.api_key on generation and read-only routes (every route but /health)."""
+    max_request_mb: float = Field(16.0, gt=0)
+    """Largest request body (a 32k-token prompt is ~0.2 MB of JSON); 413 past it, before parsing."""
+    max_weight_request_mb: float = Field(4096.0, gt=0)
+    """Largest /update_weights_from_tensor body (a base64 weight bucket)."""
+    max_queued_requests: int = Field(4096, ge=1)
+    """Generation requests a server holds at once (running and waiting); 429 past it."""
+    join_timeout_s: float = Field(60.0, gt=0)
+    """How long /init_weights_update_group waits for the other members; one join at a time (409 for another)."""

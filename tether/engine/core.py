@@ -58,6 +58,8 @@ class EngineCore:
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self.vocab_size = engine.model.get_input_embeddings().num_embeddings
+        # Positions past this are outside what the model was built for (RoPE tables, learned positions).
+        self.max_positions = getattr(engine.model.config, "max_position_embeddings", None)
         self._rng = torch.Generator().manual_seed(seed)  # for requests without their own seed
         self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
@@ -94,12 +96,28 @@ class EngineCore:
             if req.kv_tokens > self.max_batch_tokens:
                 raise RequestTooLarge(f"request {req.rid} needs {req.kv_tokens} KV tokens (prompt {len(input_ids)} "
                                       f"+ max_new_tokens {params.max_new_tokens}) > engine budget {self.max_batch_tokens}")
+            self._check_params(req)
             reqs.append(req)
         with self._cond:
             self._waiting.extend(reqs)
             self.stats["requests"] += len(reqs)
             self._cond.notify()
         return reqs
+
+    def _check_params(self, req: Request) -> None:
+        """What only the model knows: token ids inside its vocabulary, lengths inside its positions."""
+        p = req.params
+        if p.top_k > self.vocab_size:
+            raise ValueError(f"request {req.rid}: sampling_params.top_k = {p.top_k} is larger than the "
+                             f"vocabulary ({self.vocab_size}); use -1 for no top-k")
+        bad = [t for t in p.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"request {req.rid}: sampling_params.stop_token_ids {bad[:5]} are outside the "
+                             f"model's vocabulary [0, {self.vocab_size})")
+        if self.max_positions and req.kv_tokens > self.max_positions:
+            raise ValueError(f"request {req.rid}: prompt ({len(req.input_ids)} tokens) + sampling_params."
+                             f"max_new_tokens ({p.max_new_tokens}) = {req.kv_tokens} is beyond the model's "
+                             f"{self.max_positions} positions")
 
     def generate(self, input_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> GenerateOutput:
         return self.submit(input_ids, params).future.result(timeout=timeout_s)

@@ -5,7 +5,7 @@ uses them (`/generate` with `input_ids` or `text`, `sampling_params`, `return_lo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,15 +14,16 @@ from tether.engine.sampling import SamplingParams
 
 
 class Strict(BaseModel):
-    # Unknown fields are errors: a misspelt sampling parameter must not be silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are errors: a misspelt sampling parameter must not be silently ignored. NaN and
+    # infinities are refused where they are parsed (a temperature of inf would sample uniformly).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SamplingParamsIn(Strict):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -121,11 +122,11 @@ class UpdateWeightsIn(Strict):
 
 class InitGroupIn(Strict):
     master_address: str
-    master_port: int
+    master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "tether-weights"
-    backend: str = "gloo"
+    backend: Literal["gloo", "nccl"] = "gloo"
 
 
 class UpdateDistributedIn(Strict):
@@ -141,7 +142,7 @@ class UpdateDistributedIn(Strict):
 class CompletionIn(BaseModel):
     """OpenAI /v1/completions (the fields agent frameworks send; others are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
@@ -155,7 +156,7 @@ class CompletionIn(BaseModel):
 class ChatIn(BaseModel):
     """OpenAI /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     messages: list[dict]
     max_tokens: int | None = Field(None, ge=1)

@@ -28,8 +28,9 @@ from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, response,
 )
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http_server import ThreadedServer
-from tether.weight_sync.distributed import DTYPES, Receiver, join_group
+from tether.weight_sync.distributed import DTYPES, GroupJoiner, JoinBusy, JoinFailed, Receiver
 
 MAX_CONCURRENT_REQUESTS = 512
 
@@ -47,8 +48,9 @@ async def _lifespan(app: FastAPI):
     yield
 
 
-def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0) -> FastAPI:
-    app = FastAPI(title="tether engine", lifespan=_lifespan)
+def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0,
+              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+    app = guard(FastAPI(title="tether engine", lifespan=_lifespan), limits)
     tokenizer = core.tokenizer
 
     def run(prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:
@@ -153,19 +155,24 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
         except EngineError as err:
             raise _bad_request(err) from None
 
-    _add_distributed_routes(app, core, request_timeout_s)
+    _add_distributed_routes(app, core, limits.join_timeout_s)
     _add_openai_routes(app, core, run, decode, model_name)
     return app
 
 
-def _add_distributed_routes(app: FastAPI, core: EngineCore, timeout_s: float) -> None:
+def _add_distributed_routes(app: FastAPI, core: EngineCore, join_timeout_s: float) -> None:
     groups: dict[str, Any] = {}
+    joiner = GroupJoiner(join_timeout_s)
 
     @app.post("/init_weights_update_group")
     def init_group(body: InitGroupIn) -> dict:
         # Blocks until every member (the trainer's rank 0 and all engines) has joined.
-        group = join_group(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend,
-                           timeout_s)
+        try:
+            group = joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
+        except JoinBusy as err:
+            raise HTTPException(status_code=409, detail=str(err)) from None
+        except JoinFailed as err:
+            raise HTTPException(status_code=504, detail=str(err)) from None
         groups[body.group_name] = Receiver(group, core.engine.device)
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
@@ -265,9 +272,10 @@ def _openai_finish(out) -> str:
 class EngineServer(ThreadedServer):
     """Runs the app with uvicorn in a background thread; ``url`` is where it listens."""
 
-    def __init__(self, core: EngineCore, host: str = "127.0.0.1", port: int = 0, model_name: str = "tether-embedded"):
+    def __init__(self, core: EngineCore, host: str = "127.0.0.1", port: int = 0, model_name: str = "tether-embedded",
+                 limits: ServerLimits = DEFAULT_LIMITS):
         self.core = core
-        super().__init__(build_app(core, model_name), host, port, "engine HTTP server")
+        super().__init__(build_app(core, model_name, limits=limits), host, port, "engine HTTP server")
 
     def stop(self) -> None:
         super().stop()

@@ -55,7 +55,8 @@ import torch
 from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import SglangConfig
 from tether.engine.server_process import ServerProcess
-from tether.http_client import sync_client
+from tether.http_client import engine_headers, sync_client
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits
 from tether.http_server import free_port
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket, shared_memory_room
@@ -68,13 +69,15 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 # ------------------------------------------------------------ requests and replies (pure)
 def launch_args(model_path: str, port: int, cfg: SglangConfig, dtype: str, seed: int,
-                host: str = "127.0.0.1") -> list[str]:
+                host: str = "127.0.0.1", api_key: str | None = None) -> list[str]:
     """Arguments after the Python executable; cfg.extra_args go last, as written."""
     args = ["-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
             "--dtype", dtype, "--random-seed", str(seed), "--mem-fraction-static", str(cfg.mem_fraction_static),
             "--tp-size", str(cfg.tp_size), "--weight-version", "0"]
     if cfg.enable_memory_saver:
         args.append("--enable-memory-saver")
+    if api_key:  # SGLang then asks every route but its health checks for the bearer token tether's clients send
+        args += ["--api-key", api_key]
     return args + list(cfg.extra_args)
 
 
@@ -146,14 +149,15 @@ def remove_stale_stages(root: Path) -> None:
 # ------------------------------------------------------------ the actor
 class SglangEngineActor(EngineBackend):
     def __init__(self, model_path: str, cfg: dict, dtype: str = "bfloat16", seed: int = 0, host: str = "127.0.0.1",
-                 log_dir: str = "outputs/engines", request_timeout_s: float = 600.0, attach_url: str | None = None):
+                 log_dir: str = "outputs/engines", request_timeout_s: float = 600.0, attach_url: str | None = None,
+                 limits: ServerLimits = DEFAULT_LIMITS):
         """Starts SGLang on a free port; with ``attach_url``, uses a server already running there instead."""
         self.cfg = SglangConfig.model_validate(cfg)
         self.weight_version = 0
         self.released: set[str] = set()
         self._lock = threading.Lock()  # one bucket at a time through the stage directory
         self._segment = SegmentReader()  # the trainer's staging segment, when it is on this host
-        self._client = sync_client(request_timeout_s)
+        self._client = sync_client(request_timeout_s, headers=engine_headers())
         self._ready, self.startup_s, self.last_load_s = False, 0.0, 0.0
         root = stage_root()
         remove_stale_stages(root)
@@ -165,7 +169,7 @@ class SglangEngineActor(EngineBackend):
         port = free_port("0.0.0.0" if host == "0.0.0.0" else "127.0.0.1")
         self.sglang_url = f"http://127.0.0.1:{port}"
         log = Path(log_dir).resolve() / f"sglang_{os.getpid()}.log"
-        self.server = ServerProcess("SGLang server", launch_args(model_path, port, self.cfg, dtype, seed, host),
+        self.server = ServerProcess("SGLang server", launch_args(model_path, port, self.cfg, dtype, seed, host, limits.api_key),
                                     self.cfg.python, dict(self.cfg.env), log, f"{self.sglang_url}/health")
         self._url = f"http://{node_address() if host == '0.0.0.0' else host}:{port}"
 

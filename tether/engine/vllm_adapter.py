@@ -23,6 +23,8 @@ from safetensors.torch import load as load_safetensors
 from tether.engine.base import MEMORY_TAGS
 from tether.engine.protocol import AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn, UpdateWeightsIn
 from tether.http_client import async_client, pool_limits
+from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
+from tether.weight_sync.distributed import JoinBusy, JoinFailed
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id
 
@@ -85,9 +87,10 @@ def _raise_for(reply: httpx.Response, what: str) -> None:
         raise HTTPException(status_code=status, detail=f"vLLM {what} answered {reply.status_code}: {reply.text[:2000]}")
 
 
-def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_timeout_s: float) -> FastAPI:
+def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_timeout_s: float,
+                       limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     """``backend``: the VllmEngineActor (its vLLM URL, weight version and weight loading)."""
-    app = FastAPI(title="tether vLLM adapter")
+    app = guard(FastAPI(title="tether vLLM adapter"), limits)
     state: dict[str, httpx.AsyncClient] = {}
 
     def client() -> httpx.AsyncClient:
@@ -212,7 +215,12 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
 
     @app.post("/init_weights_update_group")
     def init_group(body: InitGroupIn) -> dict:
-        backend.join_weight_group(body)
+        try:
+            backend.join_weight_group(body)
+        except JoinBusy as err:
+            raise HTTPException(status_code=409, detail=str(err)) from None
+        except JoinFailed as err:
+            raise HTTPException(status_code=504, detail=str(err)) from None
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")

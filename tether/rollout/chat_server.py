@@ -15,6 +15,7 @@ import threading
 
 from fastapi import FastAPI, HTTPException, Request
 
+from tether.http_guard import ServerLimits, guard
 from tether.http_server import ThreadedServer
 from tether.rollout.chat_session import ChatRequestError, ChatSession, SessionAborted
 
@@ -49,7 +50,8 @@ class ChatServer(ThreadedServer):
         return session
 
     def _app(self) -> FastAPI:
-        app = FastAPI(title="tether chat sessions")
+        # Agents inside the rollout call it on loopback with their own clients: limits, no key.
+        app = guard(FastAPI(title="tether chat sessions"), ServerLimits())
 
         @app.get("/sessions/{session_id}/v1/models")
         def models(session_id: str) -> dict:

@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, Iterator
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client, pool_limits
+from tether.http_client import async_client, engine_headers, pool_limits
 from tether.rollout.fleet import EngineFleet, split_groups
 from tether.rollout.generate_fn import CustomGenerate, group_tokens
 from tether.sample import Sample
@@ -94,7 +94,7 @@ class GroupDriver:
     async def arun(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
                    score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
         limits = pool_limits(max_connections=None, max_keepalive=64)
-        async with async_client(self.timeout_s, limits=limits) as client:
+        async with async_client(self.timeout_s, limits=limits, headers=engine_headers()) as client:
             run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what, self.custom, evaluation)
             start = time.perf_counter()
             result = await (run.waves() if schedule.waves else run.streaming())

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from tether.cluster import Placement, actor_resources, dead_actors, torch_threads, wait
+from tether.cluster import Placement, actor_resources, dead_actors, key_env, torch_threads, wait
 from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, startup_timeout_s
 from tether.errors import EngineDiedError
@@ -29,7 +29,8 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
     actor = ray.remote(cls)
-    return [actor.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share)).remote(**kwargs)
+    return [actor.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share),
+                          **key_env(c)).remote(**kwargs)
             for bundle in placement.engine_bundles]
 
 
@@ -41,7 +42,8 @@ class RolloutHandle:
         self.timeout_s = cfg.cluster.call_timeout_s
         self.engines = engines
         # The manager only coordinates; a small CPU share outside the placement group is enough.
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1).remote(cfg.model_dump(mode="json"))
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1, **key_env(cfg.cluster)).remote(
+            cfg.model_dump(mode="json"))
         self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
         self.ready_s = {"rollout manager": time.perf_counter() - start}
         health = wait([e.health.remote() for e in engines], startup_timeout_s(cfg),

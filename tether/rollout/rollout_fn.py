@@ -29,7 +29,7 @@ import httpx
 
 from tether.config import TetherConfig
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client
+from tether.http_client import async_client, engine_headers
 from tether.importing import load_function
 from tether.rollout.buffer import PartialBuffer
 from tether.rollout.data_source import DataSource
@@ -173,7 +173,7 @@ async def call_rollout_fn(fn: Callable, spec: str, ctx: RolloutContext, data_sou
     groups whose rewards it left unset. A user function's exception is wrapped to name it; tether's own
     rollout's (``user_fn`` False) pass as they are."""
     kwargs = {"evaluation": evaluation} if takes_evaluation(fn) else {}
-    async with async_client(ctx.driver.timeout_s) as client:
+    async with async_client(ctx.driver.timeout_s, headers=engine_headers()) as client:
         ctx.client, ctx.loop = client, asyncio.get_running_loop()
         try:
             if inspect.iscoroutinefunction(fn):

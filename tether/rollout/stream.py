@@ -42,7 +42,7 @@ from typing import Any, Awaitable, Callable, Literal
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client, pool_limits
+from tether.http_client import async_client, engine_headers, pool_limits
 from tether.rollout.data_source import DataSource
 from tether.rollout.fleet import EngineFleet
 from tether.sample import Sample, sample_from_dict
@@ -161,7 +161,8 @@ class RolloutStream:
 
     # ------------------------------------------------------------ on the loop
     async def _setup(self) -> None:
-        self.client = async_client(self.s.timeout_s, limits=pool_limits(max_connections=None, max_keepalive=64))
+        self.client = async_client(self.s.timeout_s, limits=pool_limits(max_connections=None, max_keepalive=64),
+                                   headers=engine_headers())
         self.changed = asyncio.Event()
 
     async def _close(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from tether.cluster import ActorGroup, Placement, actor_resources, torch_threads, wait
+from tether.cluster import ActorGroup, Placement, actor_resources, key_env, torch_threads, wait
 from tether.faults import crash_point
 from tether.config import TetherConfig
 from tether.trainer.actor import TrainActor
@@ -25,7 +25,7 @@ class TrainerGroup:
         cfg_dict = cfg.model_dump(mode="json")
         actors = [
             cls.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share),
-                        name=None).remote(cfg_dict, rank, c.num_train_actors, threads)
+                        **key_env(c), name=None).remote(cfg_dict, rank, c.num_train_actors, threads)
             for rank, bundle in enumerate(placement.train_bundles)
         ]
         # Created, not waited for: the actors import torch and start while engines and the rollout

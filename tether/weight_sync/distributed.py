@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch.distributed import TCPStore
 
-from tether.http_client import sync_client
+from tether.http_client import engine_headers, sync_client
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -36,6 +36,34 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     if backend != "gloo":
         raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class JoinBusy(RuntimeError):
+    """Another join of this server is still waiting for its group."""
+
+
+class JoinFailed(RuntimeError):
+    """The rendezvous did not form (nobody at the address, or not every member came in time)."""
+
+
+class GroupJoiner:
+    """The engine side of /init_weights_update_group: one join at a time, each given up after
+    ``timeout_s``, so that calls naming a dead address cannot pile up on the server's threads."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+
+    def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str):
+        if not self._lock.acquire(blocking=False):
+            raise JoinBusy("another /init_weights_update_group is in progress on this engine")
+        try:
+            return join_group(master_address, master_port, rank, world_size, backend, self.timeout_s)
+        except Exception as err:  # the rendezvous' own error, said with what was tried
+            raise JoinFailed(f"joining the weight-update group at {master_address}:{master_port} as rank {rank} "
+                             f"of {world_size} failed within {self.timeout_s:.0f}s: {type(err).__name__}: {err}") from err
+        finally:
+            self._lock.release()
 
 
 class Receiver:
@@ -88,7 +116,7 @@ class DistributedSender(WeightSender):
         self.timeout_s = timeout_s
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(engine_urls)), thread_name_prefix="weights")
-        self._client = sync_client(timeout_s)
+        self._client = sync_client(timeout_s, headers=engine_headers())
         port = free_port()
         world = len(engine_urls) + 1
         body = {"master_address": master_address, "master_port": port, "world_size": world,
