@@ -31,8 +31,10 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from tether.errors import CheckpointSaveError
 from tether.safe_load import SafeLoadPlanner, SafeReader
 
 LATEST = "latest"
@@ -221,7 +223,17 @@ def save_trainer(path: Path, model, optimizer, scheduler, rank: int, critic=None
     parts = {"train": TrainerState(model, optimizer, scheduler, rank, None)}
     if critic is not None:
         parts["critic"] = _critic_state(critic, rank)
-    dcp.save(parts, checkpoint_id=str(path / "train"))
+    try:
+        dcp.save(parts, checkpoint_id=str(path / "train"))
+    except CheckpointException as err:  # DCP gathers every rank's failure; say what could not be written
+        failures = "; ".join(f"rank {r}: {_write_failure(exc)}" for r, (exc, _) in err.failures.items())
+        raise CheckpointSaveError(f"writing {path / 'train'} failed: {failures}") from None
+
+
+def _write_failure(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.strerror or exc} writing {exc.filename}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world_size: int, critic=None) -> None:
@@ -254,6 +266,13 @@ class Checkpointer:
         if self.hf_source:
             copy_hf_config(Path(self.hf_source), path / HF_CONFIG)
         return str(path)
+
+    def abandon(self, rollout_id: int) -> str | None:
+        """Remove a save that failed (its staging directory frees the space it took); the latest
+        complete checkpoint, which a resume would start from, or None."""
+        shutil.rmtree(self.root / (checkpoint_name(rollout_id) + ".tmp"), ignore_errors=True)
+        found = find_latest(self.root)
+        return str(found[0]) if found else None
 
     def commit(self, rollout_id: int, metrics: dict | None = None) -> str:
         """Seal the checkpoint; ``metrics`` (the rollout's metrics row) is kept in meta.json."""

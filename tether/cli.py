@@ -16,7 +16,8 @@ import sys
 
 from tether.config import ConfigError, TetherConfig, dump_config, load_config
 from tether.preflight import check_inputs
-from tether.errors import EngineDiedError, NonFiniteError
+from tether.errors import CheckpointSaveError, EngineDiedError, NonFiniteError, RemoteTimeout, TrainerDiedError
+from tether.rollout.prompt_format import DatasetError
 
 COMMANDS = {
     "train": "RL training (rollout -> reward -> train -> weight sync)",
@@ -130,14 +131,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_inputs(cfg, args.command)
         if args.command in ("train", "eval", "rollout"):
+            from tether.rollout.data_checks import check_prompt_data
             from tether.rollout.manager import check_user_functions
 
             check_user_functions(cfg)
+            skipped = check_prompt_data(cfg)
+            if skipped:
+                print(f"[tether] data.skip_bad_rows: {len(skipped)} bad row(s) will be skipped, e.g.\n  "
+                      + "\n  ".join(skipped[:5]), file=sys.stderr)
         _run(args, cfg)
-    except ConfigError as err:  # also a resume whose config no longer matches the checkpoint
+    except (ConfigError, DatasetError) as err:  # also a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2
-    except (NonFiniteError, EngineDiedError) as err:
+    except (NonFiniteError, EngineDiedError, CheckpointSaveError, TrainerDiedError, RemoteTimeout) as err:
         # Failures that explain themselves: their message, not a remote traceback (Ray wraps it in .cause).
         print(f"tether: {getattr(err, 'cause', None) or err}", file=sys.stderr)
         return 1

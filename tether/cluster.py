@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,11 +23,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tether.config import ClusterConfig
+from tether.errors import RemoteTimeout, TrainerDiedError
 from tether.http_guard import API_KEY_ENV
-
-
-class RemoteTimeout(TimeoutError):
-    """A remote call did not finish in time; the message says which call."""
 
 
 def wait(refs: Any, timeout_s: float, what: str) -> Any:
@@ -141,7 +139,25 @@ class ActorGroup:
     def call(self, method: str, *args: Any, timeout_s: float | None = None, what: str = "", **kwargs: Any) -> list:
         refs = self.submit(method, *args, **kwargs)
         label = f"{self.name}.{method}({what}) on {len(self.actors)} actor(s)"
-        return wait(refs, timeout_s or self.timeout_s, label)
+        return self.gather(refs, timeout_s or self.timeout_s, label)
+
+    def gather(self, refs: list[ray.ObjectRef], timeout_s: float, label: str) -> list:
+        """The results, in rank order. Fails as soon as one rank fails (the others may be blocked in a
+        collective with it: waiting for them would last the collective timeout), naming that rank;
+        on timeout, names the ranks that had not answered."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = [refs.index(r) for r in pending]
+                raise RemoteTimeout(f"timed out after {timeout_s:.0f}s waiting for {label}: rank(s) {late} did not answer")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                rank = refs.index(done[0])
+                raise TrainerDiedError(f"{self.name} rank {rank} died during {label}: {death_reason(err)}") from None
+        return ray.get(refs)
 
     def kill(self) -> None:
         for actor in self.actors:

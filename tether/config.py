@@ -97,6 +97,10 @@ class DataConfig(Section):
     """Drop prompts longer than this many tokens (counted and reported)."""
     shuffle: bool = True
     """Shuffle prompts each epoch, deterministically from (seed, epoch)."""
+    skip_bad_rows: bool = False
+    """Skip a malformed row (bad JSON, missing or ill-typed fields, an empty prompt, one the model's
+    positions cannot hold with the response, a label the reward cannot score) and count it, instead of
+    stopping before the run starts with its file and line. Applies to the eval datasets too."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -406,6 +410,9 @@ class CheckpointConfig(Section):
     """Fields (dotted paths) you mean to change when resuming, beyond the always-allowed ones."""
     export_hf: bool = True
     """Write an HF-format model (safetensors + tokenizer) to <output_dir>/hf at the end."""
+    auto_resume: int = Field(0, ge=0)
+    """When a trainer or engine process dies (or a call times out), restart the whole run from the
+    latest complete checkpoint, in the same process, up to this many times (0: stop with the error)."""
 
 
 class TrackingConfig(Section):
@@ -429,6 +436,11 @@ class DebugConfig(Section):
     save_rollouts: str | None = None
     """Where each rollout is written as rollout_<id>.jsonl (every field needed to train on it again:
     tokens, loss masks, log-probs, rewards) and eval samples beside them. None: <output_dir>/rollouts."""
+    keep_rollout_dumps: int | None = Field(8, ge=1)
+    """During `tether train`, keep the files of only this many most recent rollouts (and evals per eval
+    set) in the rollouts directory, so that a long run cannot fill the disk with them; None keeps all.
+    `tether rollout` keeps every one (it exists to save them). To replay a whole run later with
+    debug.load_rollouts, set None."""
     load_rollouts: str | None = None
     """Train on rollouts saved earlier (a directory of rollout_<id>.jsonl, from a run or `tether
     rollout`) instead of generating: no engines start, rollout k reads rollout_<k>.jsonl, eval is off."""

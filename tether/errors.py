@@ -21,3 +21,16 @@ class EngineDiedError(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """An engine server did not come up: which one, its command and the last lines of its log."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, no permission): which file, and which earlier
+    checkpoint is still the latest (the failed one was removed; a resume starts from that one)."""
+
+
+class TrainerDiedError(RuntimeError):
+    """A trainer rank's process died: which rank, during which call, and Ray's reason."""
+
+
+class RemoteTimeout(TimeoutError):
+    """A remote call did not finish in time; the message says which call (and which ranks)."""

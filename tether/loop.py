@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether.engine.base import KV_CACHE, WEIGHTS
+from tether.errors import CheckpointSaveError
 from tether.faults import crash_point
 
 
@@ -37,6 +38,7 @@ class Rollout(Protocol):
 class Checkpointer(Protocol):
     def stage(self, rollout_id: int) -> str: ...
     def commit(self, rollout_id: int, metrics: dict[str, float] | None = None) -> str: ...
+    def abandon(self, rollout_id: int) -> str | None: ...
 
 
 class Tracker(Protocol):
@@ -121,16 +123,23 @@ def begin(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, 
 
 
 def save(trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, rollout_id: int, metrics: dict) -> None:
-    """Checkpoint after rollout_id's train step: trainer and rollout state, then the commit."""
+    """Checkpoint after rollout_id's train step: trainer and rollout state, then the commit. A save
+    that fails (disk full, permission) is removed, so the previous checkpoint stays the latest."""
     t_save = time.perf_counter()
-    staging = checkpointer.stage(rollout_id)
-    trainer.save(staging)
-    crash_point("save", rollout_id)  # the staging directory is half written here
-    rollout.save_state(staging)
-    metrics["timing/save_s"] = time.perf_counter() - t_save
-    # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
-    # must not lose the row of a rollout that a resume will not redo.
-    checkpointer.commit(rollout_id, {"step": rollout_id + 1, **{k: v for k, v in metrics.items() if k != "warnings"}})
+    try:
+        staging = checkpointer.stage(rollout_id)
+        trainer.save(staging)
+        crash_point("save", rollout_id)  # the staging directory is half written here
+        rollout.save_state(staging)
+        metrics["timing/save_s"] = time.perf_counter() - t_save
+        # The rollout's metrics so far ride in the checkpoint: a crash before the log line below
+        # must not lose the row of a rollout that a resume will not redo.
+        checkpointer.commit(rollout_id, {"step": rollout_id + 1, **{k: v for k, v in metrics.items() if k != "warnings"}})
+    except (OSError, RuntimeError) as err:  # RuntimeError: a trainer's CheckpointSaveError, through Ray
+        kept = checkpointer.abandon(rollout_id)
+        cause = getattr(err, "cause", None) or err
+        raise CheckpointSaveError(f"the checkpoint of rollout {rollout_id} was not saved ({cause}); "
+                                  f"{kept or 'no earlier checkpoint'} is still the latest") from None
     crash_point("committed", rollout_id)
 
 

@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 from tether.checkpoint import Checkpointer, find_latest, read_meta
-from tether.cluster import plan_placement
+from tether.cluster import RemoteTimeout, plan_placement
 from tether.engine.backends import placed_engines
 from tether.config import TetherConfig, public_dict
+from tether.errors import EngineDiedError, TrainerDiedError
 from tether.loop import LoopPlan, run_loop
 from tether.loop_async import run_fully_async, run_one_step_off
 from tether.resume import check_resume_config, trim_jsonl
@@ -84,9 +85,37 @@ def pick_loop(cfg: TetherConfig):
     return run_fully_async if cfg.rollout.async_mode == "fully_async" else run_one_step_off
 
 
+RESUMABLE = (TrainerDiedError, EngineDiedError, RemoteTimeout)
+"""Failures of a process or a call that a restart from the last checkpoint can get past (not a NaN
+loss, a bad input or a full disk: those would happen again)."""
+
+
 def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None) -> dict:
     """Run RL training as configured; returns the run summary. ``overwrite``: a fresh start may
-    delete an earlier run's logs and checkpoints in its directories (else it refuses to start)."""
+    delete an earlier run's logs and checkpoints in its directories (else it refuses to start).
+    With checkpoint.auto_resume: N, a run that loses a process restarts from its latest complete
+    checkpoint (as `--load` would) up to N times; the error that stops it names that checkpoint."""
+    restarts = 0
+    while True:
+        try:
+            return _train_once(cfg, overwrite, config_path)
+        except RESUMABLE as err:
+            latest = find_latest(cfg.checkpoint_dir)
+            where = (f"the latest complete checkpoint is {latest[0]}" if latest
+                     else "no checkpoint was completed yet")
+            if restarts == cfg.checkpoint.auto_resume:
+                hint = (f" (resume with --load {cfg.checkpoint_dir}, or set checkpoint.auto_resume)"
+                        if latest and not cfg.checkpoint.auto_resume else "")
+                raise type(err)(f"{err}\n{where}{hint}") from None
+            restarts += 1
+            print(f"[tether] {err}\n[tether] auto-resume {restarts}/{cfg.checkpoint.auto_resume}: "
+                  f"restarting from {latest[0] if latest else 'rollout 0'}", file=sys.stderr)
+            cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
+                update={"load": str(cfg.checkpoint_dir)})})
+            overwrite = False
+
+
+def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> dict:
     clock = StartupClock()
     load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
     placement = plan_placement(cfg.cluster, placed_engines(cfg))
@@ -124,6 +153,10 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
         with tracker:
             for warning in rollout.info["warnings"]:
                 tracker.warn(warning)
+            skipped = rollout.info.get("skipped_bad_rows", [])  # none when replaying saved rollouts
+            if skipped:
+                tracker.warn(f"data.skip_bad_rows: skipped {len(skipped)} bad row(s): " + "; ".join(skipped[:3])
+                             + (" ..." if len(skipped) > 3 else ""))
             bar = tracker.progress(num_rollout, "rollouts", initial=start)
             loop = pick_loop(cfg)
             loop(plan, WithoutEngines(trainer) if replay else trainer, rollout, checkpointer, tracker, progress=bar,
@@ -148,6 +181,7 @@ def generate_rollouts(cfg: TetherConfig, overwrite: bool = False, config_path: s
     engines = create_engines(cfg, placement)
     rollout = RolloutHandle(cfg, engines)
     try:
+        rollout.keep_all_dumps()
         num_rollout = cfg.rollout.num_rollout or rollout.num_rollout_per_epoch() * cfg.rollout.num_epoch
         with make_tracker(cfg) as tracker:
             bar = tracker.progress(num_rollout, "rollouts")

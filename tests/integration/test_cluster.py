@@ -88,7 +88,10 @@ def test_a_local_ray_listens_on_loopback_only():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=180)
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the test session's
+    out = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=180, env=env)
     line = next((x for x in out.stdout.splitlines() if x.startswith("LISTEN")), None)
     assert line is not None, out.stderr[-3000:]
     addrs = ast.literal_eval(line.split(" ", 1)[1].rsplit(" ", 1)[0])

@@ -150,12 +150,12 @@ def run_in_thread(http, prompt, params, rid) -> tuple[threading.Thread, dict]:
 
 
 def abort_long_request(http, rid: str, abort: dict) -> dict:
-    """A request as long as the model's 256 positions allow, aborted while generation is paused (so
-    it cannot finish first); its response."""
-    thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 250, "ignore_eos": True}, rid)
-    time.sleep(0.2)
+    """A request as long as the model's 256 positions allow, sent while generation is paused and
+    aborted before it resumes (so it cannot finish first); its response."""
     assert http.post("/pause_generation", json={}).status_code == 200
     try:
+        thread, holder = run_in_thread(http, [5, 6], {"max_new_tokens": 250, "ignore_eos": True}, rid)
+        time.sleep(0.3)
         assert http.post("/abort_request", json=abort).status_code == 200
     finally:
         http.post("/continue_generation", json={})

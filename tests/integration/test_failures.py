@@ -58,3 +58,50 @@ def test_a_dead_engine_is_reported_with_its_exit_reason_and_log(ray_session, tin
     finally:
         rollout.shutdown()
         placement.remove()
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """Make a tmpfs of a given size (a real file system that fills up); skipped where mounting is not
+    permitted (no root / no CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mounts = []
+
+    def make(size_kb: int) -> Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs to fill up here: {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in mounts:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_a_save_on_a_full_disk_keeps_the_previous_checkpoint(ray_session, tiny_model_dir, addition_data, tmp_path,
+                                                             small_disk):
+    from tether.errors import CheckpointSaveError
+
+    probe = tmp_path / "probe"
+    train(config_from_dict(tiny_config(tiny_model_dir, addition_data, probe, rollout={"num_rollout": 1},
+                                       checkpoint={"save_interval": 1})))
+    size_kb = sum(f.stat().st_size for f in (probe / "checkpoints").rglob("*") if f.is_file()) // 1024
+    disk = small_disk(int(size_kb * 1.5) + 64)  # room for one checkpoint (and 16 pages of slack), not two
+    out = tmp_path / "run"
+    raw = tiny_config(tiny_model_dir, addition_data, out, rollout={"num_rollout": 3},
+                      checkpoint={"save_interval": 1, "save_dir": str(disk)})
+    with pytest.raises(CheckpointSaveError) as err:
+        train(config_from_dict(raw))
+    text = str(err.value)
+    # torch's writer may say "No space left on device" or fail its own size check first: the file is named either way
+    assert "the checkpoint of rollout 1 was not saved" in text and "rollout_000001.tmp/train failed" in text
+    assert str(disk) in text and "rollout_000000 is still the latest" in text
+    path, rollout_id = find_latest(disk)
+    assert rollout_id == 0 and not list(disk.glob("*.tmp"))  # the failed one is gone, its space free again
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] >= 1  # the run's log up to the failure is kept

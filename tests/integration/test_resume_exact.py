@@ -273,3 +273,40 @@ def test_fully_async_bounds_staleness_and_a_killed_run_trains_every_prompt_once(
     tether_train(config, load=ckpts)
     assert_prompt_accounting(chain)
     assert len(trained(chain)) == NUM_ROLLOUT
+
+
+def test_a_killed_trainer_is_auto_resumed_to_the_same_weights(straight, tiny_model_dir, addition_data):
+    """checkpoint.auto_resume: a train actor SIGKILLed after the first checkpoint; the run restarts
+    itself from that checkpoint, in the same process, and ends exactly as the undisturbed run."""
+    import signal
+    import time
+
+    import psutil
+
+    out, tmp, _ = straight
+    config = write_config(tmp, tiny_model_dir, addition_data, "auto")
+    raw = yaml.safe_load(config.read_text())
+    raw["checkpoint"]["auto_resume"] = 1
+    config.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "train", "--config", str(config)], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while find_latest(tmp / "auto" / "checkpoints") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.05)
+        actors = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if p.cmdline() and p.cmdline()[0].startswith("ray::TrainActor")]
+        assert actors, "no train actor process found"
+        os.kill(actors[0].pid, signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-6000:]
+    assert "trainer rank 0 died during trainer." in stdout and "auto-resume 1/1: restarting from" in stdout
+    assert trained(tmp / "auto") == trained(out)  # nothing skipped, nothing repeated
+    assert_same_weights(weights(tmp / "auto"), weights(out))
+    steps = [json.loads(line)["step"] for line in (tmp / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(NUM_ROLLOUT + 1))

@@ -39,7 +39,7 @@ def test_load_basic_fields_and_defaults(tmp_path, tok):
         {"prompt": "1+1=?", "label": "2", "metadata": {"src": "a"}},
         {"prompt": "abc"},
     ])
-    rows, filtered = load_prompt_rows(path, tok)
+    rows, filtered, _ = load_prompt_rows(path, tok)
     assert filtered == 0
     assert [r.index for r in rows] == [0, 1]
     assert [r.line for r in rows] == [1, 2]
@@ -57,7 +57,7 @@ def test_custom_keys_and_blank_lines(tmp_path, tok):
         + json.dumps({"q": "yo", "a": 4}) + "\n",
         encoding="utf-8",
     )
-    rows, _ = load_prompt_rows(path, tok, prompt_key="q", label_key="a", metadata_key="m")
+    rows, _, _ = load_prompt_rows(path, tok, prompt_key="q", label_key="a", metadata_key="m")
     assert [(r.prompt, r.label, r.line) for r in rows] == [("hi", 3, 1), ("yo", 4, 4)]
     assert rows[0].metadata == {"k": 1}
 
@@ -65,7 +65,7 @@ def test_custom_keys_and_blank_lines(tmp_path, tok):
 def test_chat_template_string_and_messages(tmp_path, tok):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2*3"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hello"}, {"prompt": messages}])
-    rows, _ = load_prompt_rows(path, tok, fmt=PromptFormat(apply_chat_template=True))
+    rows, _, _ = load_prompt_rows(path, tok, fmt=PromptFormat(apply_chat_template=True))
     assert tok.decode(rows[0].prompt_ids) == "user: hello\nassistant: "
     assert tok.decode(rows[1].prompt_ids) == "system: be brief\nuser: 2*3\nassistant: "
     assert rows[1].prompt == messages  # raw prompt kept as in the data
@@ -89,7 +89,7 @@ def test_length_filtering_counts_and_reindexes(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [
         {"prompt": "a" * 10}, {"prompt": "b" * 3}, {"prompt": "c" * 4}, {"prompt": "d" * 5},
     ])
-    rows, filtered = load_prompt_rows(path, tok, max_prompt_len=4)
+    rows, filtered, _ = load_prompt_rows(path, tok, max_prompt_len=4)
     assert filtered == 2
     assert [r.prompt for r in rows] == ["bbb", "cccc"]
     assert [r.index for r in rows] == [0, 1]
@@ -248,8 +248,8 @@ def test_parquet_rows_load_as_their_jsonl_twins(tmp_path, tok):
             {"prompt": [{"role": "user", "content": "hi"}], "label": "x", "metadata": None}]
     pq.write_table(pa.Table.from_pylist(objs), tmp_path / "d.parquet")
     fmt = PromptFormat(apply_chat_template=True)
-    from_parquet, _ = load_prompt_rows(tmp_path / "d.parquet", tok, fmt=fmt)
-    from_jsonl, _ = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", objs), tok, fmt=fmt)
+    from_parquet, _, _ = load_prompt_rows(tmp_path / "d.parquet", tok, fmt=fmt)
+    from_jsonl, _, _ = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", objs), tok, fmt=fmt)
     assert from_parquet == from_jsonl and from_parquet[0].prompt == messages
     assert from_parquet[1].metadata == {}
 

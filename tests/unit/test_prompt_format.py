@@ -19,7 +19,7 @@ def write(path, rows):
 def test_template_and_prefix_shape_the_encoded_prompt(tmp_path, tokenizer):
     path = write(tmp_path / "d.jsonl", [{"prompt": "3 1 2", "label": "1 2 3", "op": "sort"}])
     fmt = PromptFormat(template="{op}: {prompt} =", response_prefix=" ")
-    (row,), _ = load_prompt_rows(path, tokenizer, fmt=fmt)
+    (row,), _, _ = load_prompt_rows(path, tokenizer, fmt=fmt)
     assert row.text == "sort: 3 1 2 = " and tokenizer.decode(row.prompt_ids) == row.text
     assert row.prompt == "3 1 2"  # the raw prompt stays as in the data (rewards see it)
 
@@ -28,7 +28,7 @@ def test_template_goes_inside_the_chat_template(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2*3"}]
     path = write(tmp_path / "d.jsonl", [{"prompt": messages}, {"prompt": "4*5"}])
     fmt = PromptFormat(apply_chat_template=True, template="{prompt} =", response_prefix="so ")
-    rows, _ = load_prompt_rows(path, tokenizer, fmt=fmt)
+    rows, _, _ = load_prompt_rows(path, tokenizer, fmt=fmt)
     assert rows[0].text == "system: be brief\nuser: 2*3 =\nassistant: so "
     assert rows[1].text == "user: 4*5 =\nassistant: so "
     assert messages[1]["content"] == "2*3"
@@ -54,7 +54,7 @@ def test_bad_templates_are_config_errors(template, message):
 def test_literal_braces_survive(tmp_path, tokenizer):
     cfg = config_from_dict({"model": {"path": "m"}, "data": {"prompt_template": "{prompt} in \\boxed{{}}"}})
     path = write(tmp_path / "d.jsonl", [{"prompt": "1+1"}])
-    (row,), _ = load_prompt_rows(path, tokenizer, fmt=PromptFormat.from_config(cfg.data))
+    (row,), _, _ = load_prompt_rows(path, tokenizer, fmt=PromptFormat.from_config(cfg.data))
     assert row.text == "1+1 in \\boxed{}"
 
 

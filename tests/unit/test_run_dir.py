@@ -47,14 +47,13 @@ def test_fresh_start_over_an_earlier_run_is_refused_and_changes_nothing(tmp_path
     assert snapshot(out) == before
 
 
-def test_the_cli_says_so_and_exits_2(tmp_path, capsys):
+def test_the_cli_says_so_and_exits_2(tmp_path, capsys, tiny_model_dir):
     out = tmp_path / "run"
     before = earlier_run(out)
-    model = tmp_path / "m"
-    model.mkdir()
+    model = tiny_model_dir
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    code = main(["train", f"output_dir={out}", f"model.path={model}", f"data.path={data}"])
+    code = main(["train", f"output_dir={out}", f"model.path={model}", f"data.path={data}", "rollout.max_response_len=8"])
     assert code == 2 and "holds an earlier run" in capsys.readouterr().err
     assert snapshot(out) == before
 

@@ -12,7 +12,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from tether.sample import Sample
 
 PLAIN = PromptFormat()  # the prompt field as it is
 
-__all__ = ["DataSource", "DatasetError", "PromptRow", "load_prompt_rows", "read_jsonl", "read_rows"]
+__all__ = ["DataSource", "DatasetError", "LoadedRows", "PromptRow", "RowChecks", "load_prompt_rows", "read_jsonl",
+           "read_rows"]
 
 
 @dataclass
@@ -48,6 +49,32 @@ class PromptRow:
     text: str = ""
 
 
+@dataclass(frozen=True)
+class RowChecks:
+    """What a row must satisfy beyond its shape, known from the model and the run's config."""
+
+    max_positions: int | None = None
+    """The model's positions: prompt + rollout.max_response_len must fit (None: not checked)."""
+    max_response_len: int = 0
+    label_types: tuple[type, ...] | None = None
+    """Label types the reward can score (None: any; a user's reward decides). A missing label is allowed."""
+    reward: str = ""
+    """The reward's name, for messages."""
+    skip_bad_rows: bool = False
+    """Skip (and count) a row that fails instead of stopping (data.skip_bad_rows)."""
+
+
+NO_CHECKS = RowChecks()
+
+
+class LoadedRows(NamedTuple):
+    rows: list[PromptRow]
+    filtered: int
+    """Rows dropped for data.max_prompt_len."""
+    skipped: list[str]
+    """What was wrong with each bad row skipped (data.skip_bad_rows), file and line first."""
+
+
 def load_prompt_rows(
     path: str | Path,
     tokenizer: Any,
@@ -57,28 +84,20 @@ def load_prompt_rows(
     metadata_key: str = "metadata",
     fmt: PromptFormat = PLAIN,
     max_prompt_len: int | None = None,
-) -> tuple[list[PromptRow], int]:
+    checks: RowChecks = NO_CHECKS,
+) -> LoadedRows:
     """Load and tokenize a prompt file (JSONL, or Parquet by its .parquet suffix).
 
     Each prompt is formatted by `fmt` (tether/rollout/prompt_format.py: template, chat template,
     response prefix) and encoded with `add_special_tokens=False`. A chat-message prompt requires
-    `fmt.apply_chat_template`.
-
-    Args:
-        path: a JSONL or Parquet file.
-        tokenizer: a Hugging Face tokenizer.
-        prompt_key, label_key, metadata_key: field names in each JSON object. A
-            missing label gives None; a missing (or null) metadata gives {}.
-        fmt: how a row becomes the text the engine sees.
-        max_prompt_len: rows whose prompt has more tokens than this are dropped.
-
-    Returns:
-        (rows, number of rows dropped for length).
+    `fmt.apply_chat_template`. Rows longer than `max_prompt_len` tokens are dropped and counted;
+    rows that are malformed or fail `checks` raise, or with `checks.skip_bad_rows` are skipped.
 
     Raises:
-        DatasetError: missing file, invalid JSON, missing/ill-typed fields, empty
-            file, or every row filtered out. Messages name the file, the line (JSONL) or
-            row (Parquet), and the field.
+        DatasetError: missing file, invalid JSON, missing/ill-typed fields, an empty prompt, a prompt
+            the model's positions cannot hold with the response, a label the reward cannot score, an
+            empty file, or every row filtered out. Messages name the file, the line (JSONL) or row
+            (Parquet), and the field.
     """
     path = Path(path)
     if not path.is_file():
@@ -87,40 +106,66 @@ def load_prompt_rows(
         raise DatasetError(
             f"{path}: apply_chat_template is set but the tokenizer has no chat_template"
         )
-
     rows: list[PromptRow] = []
-    num_filtered = 0
-    num_read = 0
-    for line_no, where, obj in read_rows(path):
-        num_read += 1
-        prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
-        metadata = _get_metadata(obj, where, metadata_key)
-        text = render_prompt(tokenizer, fill_template(fmt, prompt, obj, where, prompt_key), fmt)
-        prompt_ids = encode_text(tokenizer, text)
-        if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
-            num_filtered += 1
-            continue
-        rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt,
-                              label=obj.get(label_key), metadata=metadata,
-                              prompt_ids=prompt_ids, text=text))
+    skipped: list[str] = []
+    num_filtered = num_read = 0
 
+    def bad(err: DatasetError) -> None:
+        if not checks.skip_bad_rows:
+            raise err
+        skipped.append(str(err))
+
+    def bad_line(err: DatasetError) -> None:  # a line that is not even a JSON object
+        nonlocal num_read
+        num_read += 1
+        bad(err)
+
+    for line_no, where, obj in read_rows(path, bad_line):
+        num_read += 1
+        try:
+            prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
+            metadata = _get_metadata(obj, where, metadata_key)
+            text = render_prompt(tokenizer, fill_template(fmt, prompt, obj, where, prompt_key), fmt)
+            prompt_ids = encode_text(tokenizer, text)
+            if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
+                num_filtered += 1
+                continue
+            _check_row(where, prompt_ids, obj.get(label_key), label_key, checks)
+        except DatasetError as err:
+            bad(err)
+            continue
+        rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt, label=obj.get(label_key),
+                              metadata=metadata, prompt_ids=prompt_ids, text=text))
     if num_read == 0:
         raise DatasetError(f"{path}: prompt dataset contains no rows")
     if not rows:
-        raise DatasetError(
-            f"{path}: all {num_read} rows are longer than "
-            f"max_prompt_len={max_prompt_len} tokens"
-        )
-    return rows, num_filtered
+        why = f"longer than max_prompt_len={max_prompt_len} tokens" if num_filtered else "bad"
+        raise DatasetError(f"{path}: all {num_read} rows are {why}" + (f"; first: {skipped[0]}" if skipped else ""))
+    return LoadedRows(rows, num_filtered, skipped)
 
 
-def read_rows(path: Path) -> Iterator[tuple[int, str, dict]]:
+def _check_row(where: str, prompt_ids: list[int], label: Any, label_key: str, checks: RowChecks) -> None:
+    if not prompt_ids:
+        raise DatasetError(f"{where}: the prompt is empty (after the template): there is nothing to answer")
+    need = len(prompt_ids) + checks.max_response_len
+    if checks.max_positions is not None and need > checks.max_positions:
+        raise DatasetError(f"{where}: the prompt has {len(prompt_ids)} tokens; with rollout.max_response_len="
+                           f"{checks.max_response_len} it needs {need} positions, the model has {checks.max_positions} "
+                           "(set data.max_prompt_len to drop such rows)")
+    if label is not None and checks.label_types is not None and not isinstance(label, checks.label_types):
+        kinds = " or ".join(t.__name__ for t in checks.label_types)
+        raise DatasetError(f"{where}: field '{label_key}' is a {type(label).__name__}; reward {checks.reward} "
+                           f"scores a {kinds} label (it would score this row 0 every time)")
+
+
+def read_rows(path: Path, on_error: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, str, dict]]:
     """Yield (1-based line or row number, where, object) for each row; ``where`` names the file and
-    the line (JSONL) or row (Parquet, columns as keys) for error messages."""
+    the line (JSONL) or row (Parquet, columns as keys) for error messages. A line that is not a JSON
+    object raises, or with ``on_error`` is handed to it and skipped."""
     if path.suffix == ".parquet":
         yield from _read_parquet(path)
         return
-    for line_no, obj in read_jsonl(path):
+    for line_no, obj in read_jsonl(path, on_error):
         yield line_no, f"{path}:{line_no}", obj
 
 
@@ -135,23 +180,36 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, str, dict]]:
         yield n, f"{path} row {n}", obj
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """Yield (1-based line number, object) for each non-blank line."""
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(
-                    f"{path}:{line_no}: invalid JSON: {exc.msg} (column {exc.colno})"
-                ) from exc
-            if not isinstance(obj, dict):
-                raise DatasetError(
-                    f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}"
-                )
-            yield line_no, obj
+def read_jsonl(path: Path, on_error: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line number, object) for each non-blank line (see read_rows for ``on_error``)."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            obj, problem = _parse_line(raw)
+            if obj is not None:
+                yield line_no, obj
+            elif problem is None:
+                continue  # blank
+            elif on_error is None:
+                raise DatasetError(f"{path}:{line_no}: {problem}")
+            else:
+                on_error(DatasetError(f"{path}:{line_no}: {problem}"))
+
+
+def _parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """(object, None), (None, what is wrong with the line), or (None, None) for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if not line.strip():
+        return None, None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    return obj, None
 
 
 def _get_metadata(obj: dict, where: str, metadata_key: str) -> dict:

@@ -107,6 +107,10 @@ class RolloutHandle:
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self._get_from_engines(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")
 
+    def keep_all_dumps(self) -> None:
+        """`tether rollout`: every rollout's file stays (debug.keep_rollout_dumps is for training runs)."""
+        self._get(self.actor.keep_all_dumps.remote(), "keep_all_dumps")
+
     def save_state(self, ckpt_dir: str) -> None:
         self._get(self.actor.save_state.remote(ckpt_dir), f"save_state({ckpt_dir})")
 

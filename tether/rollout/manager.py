@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import time
 from collections import Counter
@@ -23,12 +24,13 @@ from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
 from tether.rollout.buffer import BUFFER_STATE, PartialBuffer
 from tether.rollout.builtin import builtin_rollout
-from tether.rollout.data_source import DatasetError, DataSource, load_prompt_rows, read_rows
+from tether.rollout.data_checks import load_eval_rows, load_train_rows, model_positions
+from tether.rollout.data_source import DatasetError, DataSource, read_rows
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
 from tether.rollout.filters import FilterError, load_filter
 from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec, takes_evaluation
-from tether.rollout.prompt_format import ROUND_TRIP_ROWS, PromptFormat, round_trip_problems
+from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.health import RolloutHealth, answer_counts
 from tether.rollout.stream import STREAM_STATE, RolloutStream, StreamSettings, staleness_metrics
@@ -164,13 +166,12 @@ class RolloutManager:
         self.cfg: TetherConfig = config_from_dict(cfg_dict, "rollout manager")
         d, r = self.cfg.data, self.cfg.rollout
         self.tokenizer = load_tokenizer(self.cfg.model.path)
-        keys = dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                    fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
+        positions = model_positions(self.cfg.model.path)
         # Without prompt data the manager only evaluates (`tether eval`, the eval at the end of `tether sft`).
         self.data: DataSource | None = None
-        self.filtered = 0
+        self.filtered, self.skipped_rows = 0, []
         if d.path is not None:
-            rows, self.filtered = load_prompt_rows(d.path, self.tokenizer, **keys)
+            rows, self.filtered, self.skipped_rows = load_train_rows(self.cfg, self.tokenizer, positions)
             self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
                                    n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
         # Every user function is loaded here, once: a bad spec fails the start, naming its field.
@@ -178,7 +179,9 @@ class RolloutManager:
         self.keep = load_filter(r.dynamic_filter)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
-        eval_rows = [(e, load_prompt_rows(e.path, self.tokenizer, **keys)[0]) for e in self.cfg.eval.datasets]
+        eval_loaded = load_eval_rows(self.cfg, self.tokenizer, positions)
+        self.skipped_rows += [line for loaded in eval_loaded for line in loaded.skipped]
+        eval_rows = [(e, loaded.rows) for e, loaded in zip(self.cfg.eval.datasets, eval_loaded)]
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
         if row_fns and r.max_staleness and r.async_mode == "fully_async":
             raise ConfigError(f"{row_fns[0][1]}: a row names its own generate function; rollout.async_mode: "
@@ -196,6 +199,7 @@ class RolloutManager:
         self.eval_sets = [EvalSet(e, rows, make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
                           for i, (e, rows) in enumerate(eval_rows)]
         self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
+        self.prune_dumps = True  # `tether rollout` turns it off: it exists to keep them
         self.health = RolloutHealth(r.n_samples_per_prompt)
         self.buffer = PartialBuffer()
         if engine_urls is not None:
@@ -226,6 +230,7 @@ class RolloutManager:
 
     def data_info(self) -> dict:
         return {"train_rows": len(self.data.rows) if self.data else 0, "filtered_long_prompts": self.filtered,
+                "skipped_bad_rows": self.skipped_rows,
                 "eval_rows": {e.cfg.name: len(e.rows) for e in self.eval_sets}, "warnings": self._check_text()}
 
     def _check_text(self) -> list[str]:
@@ -268,6 +273,7 @@ class RolloutManager:
         extra = dump_extra or [{}] * len(groups)
         self._dump_rows([{**s.to_dict(), **more} for group, more in zip(groups, extra) for s in group],
                         f"rollout_{rollout_id:06d}.jsonl")
+        self._prune_dumps("rollout_")
         batch = to_train_batch(samples, self._group_size(groups), r.temperature)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
@@ -365,6 +371,7 @@ class RolloutManager:
             self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
             self._dump_answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
             self._dump_rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
+            self._prune_dumps(f"eval_{name}_")
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
@@ -380,6 +387,24 @@ class RolloutManager:
         with open(self.samples_dir / name, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+    def keep_all_dumps(self) -> None:
+        self.prune_dumps = False
+
+    def _prune_dumps(self, prefix: str) -> None:
+        """Keep the files of the newest debug.keep_rollout_dumps rollouts (or evals) named ``prefix<id>``."""
+        keep = self.cfg.debug.keep_rollout_dumps
+        if keep is None or not self.prune_dumps:
+            return
+        pattern = re.compile(re.escape(prefix) + r"(\d{6})(_[a-z_]+)?\.jsonl?$")
+        by_id: dict[int, list[Path]] = {}
+        for path in self.samples_dir.glob(prefix + "*"):
+            match = pattern.match(path.name)
+            if match:
+                by_id.setdefault(int(match.group(1)), []).append(path)
+        for old in sorted(by_id)[:-keep]:
+            for path in by_id[old]:
+                path.unlink(missing_ok=True)
 
     def _dump_answers(self, samples: list[Sample], answers: Counter, name: str) -> None:
         """Per-answer counts and mean rewards of one eval, most common first."""

@@ -1,0 +1,74 @@
+"""Every prompt row checked against the model and the run before anything starts.
+
+The rollout manager loads its data with the same checks (so data.skip_bad_rows behaves the same
+in both places); the launching process runs them first, in seconds, so that an empty prompt, a
+prompt the model's positions cannot hold with its response, or a label the reward cannot score is
+reported with its file and line before Ray starts, not when the row is drawn rollouts later.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tether.config import TetherConfig
+from tether.errors import ConfigError
+from tether.rewards.builtin import BUILTIN_REWARDS
+from tether.rollout.data_source import DatasetError, LoadedRows, RowChecks, load_prompt_rows
+from tether.rollout.prompt_format import PromptFormat
+
+# The built-in rewards compare str(label) with the response: text and numbers only.
+SCORABLE_LABELS = (str, int, float)
+
+
+def model_positions(model_path: str) -> int | None:
+    """max_position_embeddings from the model's config.json (None when it does not say)."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.path: cannot read {path}: {err}") from None
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def row_checks(cfg: TetherConfig, reward: str, max_response_len: int, positions: int | None) -> RowChecks:
+    builtin = reward in BUILTIN_REWARDS
+    return RowChecks(max_positions=positions, max_response_len=max_response_len,
+                     label_types=SCORABLE_LABELS if builtin else None, reward=reward,
+                     skip_bad_rows=cfg.data.skip_bad_rows)
+
+
+def load_keys(cfg: TetherConfig) -> dict[str, Any]:
+    d = cfg.data
+    return dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
+
+
+def load_train_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> LoadedRows:
+    r = cfg.rollout
+    return load_prompt_rows(cfg.data.path, tokenizer, **load_keys(cfg),
+                            checks=row_checks(cfg, r.reward, r.max_response_len, positions))
+
+
+def load_eval_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> list[LoadedRows]:
+    return [load_prompt_rows(e.path, tokenizer, **load_keys(cfg),
+                             checks=row_checks(cfg, e.reward or cfg.rollout.reward, e.max_response_len, positions))
+            for e in cfg.eval.datasets]
+
+
+def check_prompt_data(cfg: TetherConfig) -> list[str]:
+    """Load every prompt and eval row as the run will; raises DatasetError naming the file and line of
+    the first bad row (with data.skip_bad_rows: returns what would be skipped, one line per row)."""
+    from tether.hf import load_tokenizer
+
+    positions = model_positions(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
+    loaded = load_eval_rows(cfg, tokenizer, positions)
+    if cfg.data.path is not None:
+        loaded.append(load_train_rows(cfg, tokenizer, positions))
+    return [line for rows in loaded for line in rows.skipped]
+
+
+__all__ = ["DatasetError", "check_prompt_data", "load_eval_rows", "load_train_rows", "model_positions", "row_checks"]
