@@ -358,7 +358,8 @@ def _section_classes() -> list[type[Section]]:
     found, todo = [], [Section]
     while todo:
         for sub in todo.pop().__subclasses__():
-            if sub.__module__ == config_mod.__name__ and sub not in found:
+            # Every section in the package: config.py assembles sections that live beside their components.
+            if sub.__module__.startswith("tether.") and sub not in found:
                 found.append(sub)
                 todo.append(sub)
     return found

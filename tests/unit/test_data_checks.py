@@ -76,9 +76,15 @@ def test_only_bad_rows_is_an_error_even_when_skipping(tmp_path, tok):
         load_prompt_rows(path, tok, checks=RowChecks(skip_bad_rows=True))
 
 
-def test_tether_train_reports_a_bad_row_before_ray_starts(tmp_path, tiny_model_dir, capsys):
-    import ray
+def test_tether_train_reports_a_bad_row_before_ray_starts(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    import tether.cluster
 
+    # Another test may have left a Ray session up, so "Ray is not initialised" cannot be the check:
+    # starting Ray at all is the failure.
+    def no_ray(*args, **kwargs):
+        raise AssertionError("start_ray was called before the data was checked")
+
+    monkeypatch.setattr(tether.cluster, "start_ray", no_ray)
     data = write(tmp_path / "train.jsonl", [GOOD] * 8 + [{"prompt": "1+2=", "label": [3]}])
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{path: {data}}}\n"
@@ -87,5 +93,5 @@ def test_tether_train_reports_a_bad_row_before_ray_starts(tmp_path, tiny_model_d
     assert main(["train", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert f"{data}:9: field 'label' is a list" in err
-    assert time.monotonic() - start < 20 and not ray.is_initialized()
+    assert time.monotonic() - start < 20
     assert not (tmp_path / "out").exists()  # nothing started, nothing written

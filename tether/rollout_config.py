@@ -1,0 +1,149 @@
+"""The rollout: section of a recipe (how many rollouts, how big, how responses are sampled, scored and
+scheduled, which engine backend serves them), beside config.py, which assembles the tree. Imports no torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tether.config_base import Section
+
+
+class RolloutConfig(Section):
+    num_rollout: int | None = Field(None, ge=1)
+    """Number of rollouts (train iterations). None: num_epoch passes over the data."""
+    num_epoch: int = Field(1, ge=1)
+    """Passes over the prompt data when num_rollout is not set."""
+    prompts_per_rollout: int = Field(32, ge=1)
+    """Prompts drawn per rollout (the rollout batch size)."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Responses sampled per prompt: one group for group-relative advantages."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer divides logits by the same value when recomputing log-probs."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Keep the k most likely tokens (-1: all)."""
+    max_response_len: int = Field(64, ge=1)
+    """Maximum new tokens per response."""
+    stop_token_ids: list[int] = []
+    """Extra token ids that end a response (the tokenizer's eos always does)."""
+    reward: str = "math"
+    """Reward function: a built-in name (math, exact_match, f1), module:function, path/file.py:function
+    (sync or async, of one sample), or the URL of a reward server (http://host:port/path, one POST per group)."""
+    group_reward: str | None = None
+    """A function of a whole group's samples returning one reward each (sync or async; module:function
+    or file.py:function). Used instead of `reward` when set."""
+    reward_key: str | None = None
+    """When rewards are dicts: the entry trained on (the whole dict stays in Sample.reward_info)."""
+    reward_post_process: str | None = None
+    """A function over all the kept samples of a rollout, run after scoring: it changes sample.reward in
+    place or returns the new rewards (module:function or file.py:function)."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for one group's rewards (a reward server's answer, or the group's reward functions)."""
+    reward_retries: int = Field(2, ge=0)
+    """Retries of a reward server request after a connection error, a timeout, a 429 or a 5xx."""
+    dynamic_filter: str | None = None
+    """Keep only groups this filter passes (DAPO's dynamic sampling: `nonzero_reward_std`), or a
+    module:function / file.py:function of one group returning a bool or (bool, reason). More groups are
+    started until prompts_per_rollout pass. None: every group is kept."""
+    custom_generate_fn: str | None = None
+    """Your own generation of each sample (multi-turn, tools, agents): a module:function or
+    file.py:function ``async def generate(ctx, sample, sampling_params[, evaluation]) -> Sample |
+    list[Sample]`` (slime's custom generate function; tether/rollout/generate_fn.py). A data row's
+    metadata "generate_fn" overrides it for that row. None: one /generate call per sample."""
+    custom_rollout_fn: str | None = None
+    """Your own rollout step: a module:function or file.py:function ``[async] def rollout(ctx, rollout_id,
+    data_source, evaluation=False) -> list[list[Sample]] | RolloutOutput`` returning the groups to train
+    on (slime's rollout function; tether/rollout/rollout_fn.py). Eval sets use it too when it takes
+    ``evaluation``. None: the built-in rollout (streaming, dynamic filter, partial rollout)."""
+    over_sampling_groups: int | None = Field(None, ge=1)
+    """Groups started at the beginning of a rollout, at least prompts_per_rollout (None: exactly that);
+    as groups are dropped, more start, up to this many not dropped at a time."""
+    max_concurrent_groups: int | None = Field(None, ge=1)
+    """Most groups generating at once. None: over_sampling_groups."""
+    groups_per_request: int = Field(1, ge=1)
+    """Groups started together go to an engine in requests of up to this many groups; a request's
+    groups finish, are scored and are judged by the filter together. 1: every group is scored as
+    soon as it finishes. On a CPU engine each request costs a few ms of HTTP handling that competes
+    with decoding, which shows when responses are short (see the README's comparison with TRL).
+    With a custom generate function, groups go one by one."""
+    partial_rollout: bool = False
+    """Groups still generating when a rollout has its groups (with over-sampling) are aborted but kept,
+    with what they generated, and continued first by the next rollout (tether/rollout/buffer.py)."""
+    keep_order: Literal["start", "finish"] = "start"
+    """Which prompts_per_rollout groups a rollout keeps. start: the first to pass the filter in the
+    order they started (the kept set and the data position depend only on each group's own samples).
+    finish: the first to finish and pass (slime's way): with over_sampling_groups above
+    prompts_per_rollout a long tail is cut short and continued by the next rollout. Needs
+    partial_rollout (so no aborted group is lost) and deterministic: false."""
+    mask_offpolicy_partial: bool = False
+    """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
+    max_staleness: int = Field(0, ge=0)
+    """Weight versions a trained sample may lag the policy being updated. 0: the synchronous loop
+    (generate, then train). > 0 overlaps generation with training as async_mode says; needs
+    cluster.colocate: false."""
+    async_mode: Literal["one_step_off", "fully_async"] = "one_step_off"
+    """How generation overlaps training when max_staleness > 0. one_step_off (slime's train_async,
+    max_staleness 1): the next rollout generates, under the weights of one step before, while the
+    trainer trains; the weights are pushed once both are done; the pipeline drains before a checkpoint
+    or an eval, so a resumed run is identical to an uninterrupted one (tether/loop_async.py).
+    fully_async: groups stream through the engines across train steps and each train step takes the
+    next prompts_per_rollout finished groups at most max_staleness versions old
+    (tether/rollout/stream.py)."""
+    stale_groups: Literal["retry", "drop"] = "retry"
+    """fully_async: a finished group older than max_staleness allows is generated again from its
+    prompt (retry) or left untrained (drop; rollouts/rollout_<id>_dropped_stale.jsonl lists them)."""
+    pause_mode: Literal["in_place", "recompute"] = "in_place"
+    """fully_async: what running requests do during a weight update. in_place: they hold and continue
+    under the new weights with their KV cache (each token's weight version is recorded). recompute:
+    they are aborted and continued after the update, their prompt and partial response prefilled
+    again under the new weights."""
+    on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
+    """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
+    groups that passed (with a warning), or stop the run with an error."""
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    """DAPO overlong shaping: responses longer than max_response_len - overlong_buffer_len lose up to
+    overlong_penalty_factor of reward, linearly (tether/rewards/shaping.py). None: off."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """The largest overlong penalty (reached at max_response_len)."""
+    max_generate_batch: int = Field(256, ge=1)
+    """Most sequences an engine decodes at once."""
+    max_batch_tokens: int = Field(1 << 16, ge=1)
+    """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
+    requests beyond it wait their turn."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Tokens of KV an engine keeps from finished requests so later ones that repeat a prefix (the
+    next turn of a conversation, a shared system prompt) skip recomputing it; flushed whenever the
+    weights change. 0 disables it."""
+    onednn_linear: bool = True
+    """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
+    version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    """The inference backend (tether/engine/backends.py): the embedded PyTorch engine, vLLM (its
+    settings in the vllm section) or SGLang (the sglang section). All speak one HTTP contract
+    (tether/engine/base.py)."""
+    external_engines: list[str] = []
+    """URLs of engine servers already running (any backend's, speaking the contract): nothing is
+    launched or placed for them and weights reach them over cluster.weight_sync: distributed."""
+    engine_host: str = "127.0.0.1"
+    """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
+    address is then given to the router)."""
+
+    @model_validator(mode="after")
+    def _over_sampling(self) -> RolloutConfig:
+        if self.over_sampling_groups is not None and self.over_sampling_groups < self.prompts_per_rollout:
+            raise ValueError(f"rollout.over_sampling_groups ({self.over_sampling_groups}) must be at least "
+                             f"rollout.prompts_per_rollout ({self.prompts_per_rollout})")
+        if self.keep_order == "finish" and not self.partial_rollout:
+            raise ValueError("rollout.keep_order: finish needs rollout.partial_rollout: true (the groups cut "
+                             "short between kept ones are continued by the next rollout, not lost)")
+        if self.custom_rollout_fn and self.partial_rollout:
+            raise ValueError("rollout.partial_rollout is the built-in rollout's; with rollout.custom_rollout_fn, "
+                             "hand unfinished groups back with data_source.add_samples(groups)")
+        return self
+
+    @property
+    def groups_to_start(self) -> int:
+        return self.over_sampling_groups or self.prompts_per_rollout
