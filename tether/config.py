@@ -56,6 +56,15 @@ class ClusterConfig(Section):
     """Upper bound for any single remote call (generate, train, save); a stuck call raises."""
     collective_timeout_s: float = Field(300.0, gt=0)
     """torch.distributed timeout for collectives between trainer ranks."""
+    engine_health_interval_s: float = Field(2.0, gt=0)
+    """While a rollout or eval generates, every engine is asked for a one-token generation
+    (/health_generate) this often."""
+    engine_health_timeout_s: float = Field(30.0, gt=0)
+    """An engine that does not answer its heartbeat within this is lost (dead or frozen): it gets no more
+    requests, and those it held go to the other engines."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """Lost engines replaced in a run (a new engine actor on the lost one's bundle, given the trainer's
+    current weights); one more loss ends the run naming the engine. 0: the first lost engine ends it."""
     api_key: str | None = None
     """Bearer token that tether's servers ask for on control routes (weight updates, memory, pause/abort,
     flush; with server.require_key_for_generate on every route but /health) and tether's clients send.

@@ -74,7 +74,7 @@ def run_evals(cfg: TetherConfig, model_path: str, out: Path, step: int = 0) -> d
     engines = create_engines(cfg, placement)
     rollout = None
     try:
-        rollout = RolloutHandle(cfg, engines)
+        rollout = RolloutHandle(cfg, engines, placement)
         return rollout.eval(step)
     finally:
         if rollout is not None:

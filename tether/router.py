@@ -4,6 +4,11 @@ It keeps, per worker, the number of requests and KV tokens it has sent and not y
 sends each request to the healthy worker with the least outstanding tokens. Workers can be added
 and removed while running; a health check marks a worker down (it gets no traffic) until it answers
 again; `abort_all` tells every worker to drop what is in flight.
+
+A worker found dead or frozen is marked lost (`mark_lost`): it gets no more traffic, and every
+asyncio request waiting on it is cancelled at once and raises `EngineLost`, so that its caller can
+send the same request to another worker. With no worker left, an asyncio request waits for one to
+be added (a replacement), up to the router's timeout.
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from dataclasses import dataclass
-from typing import Iterator
+import time
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -23,6 +28,14 @@ class NoHealthyWorker(RuntimeError):
     pass
 
 
+class EngineLost(ConnectionError):
+    """The worker serving a request was marked lost while the request was in flight."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"engine {url} was lost: {reason}")
+        self.url, self.reason = url, reason
+
+
 @dataclass
 class Worker:
     url: str
@@ -30,6 +43,10 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     served: int = 0
+    lost: str | None = None
+    """Why the worker was taken out for good (dead or frozen); None while it serves."""
+    waiting: set = field(default_factory=set)
+    """(event loop, task) of the asyncio requests in flight on it: cancelled when it is lost."""
 
 
 class Router:
@@ -50,15 +67,45 @@ class Router:
         with self._lock:
             self._workers.pop(url.rstrip("/"), None)
 
+    def mark_lost(self, url: str, reason: str) -> bool:
+        """Take the worker out for good and cancel the asyncio requests waiting on it (each raises
+        EngineLost). False when it was lost already (or is not a worker here)."""
+        with self._lock:
+            worker = self._workers.get(url.rstrip("/"))
+            if worker is None or worker.lost is not None:
+                return False
+            worker.lost, worker.healthy = reason, False
+            waiting = list(worker.waiting)
+        for loop, task in waiting:
+            loop.call_soon_threadsafe(self._cancel_if_waiting, worker, (loop, task))
+        return True
+
+    def _cancel_if_waiting(self, worker: Worker, entry: tuple) -> None:
+        # In the request's own event loop: a request that left ``bound`` meanwhile is not cancelled.
+        if entry in worker.waiting:
+            entry[1].cancel(LOST)
+
+    def lost(self) -> dict[str, str]:
+        """URL -> reason of every worker taken out and not yet removed."""
+        return {w.url: w.lost for w in self.workers if w.lost is not None}
+
     @property
     def workers(self) -> list[Worker]:
         with self._lock:
             return list(self._workers.values())
 
+    @property
+    def serving(self) -> list[Worker]:
+        """The workers not lost: the ones broadcasts and queries go to."""
+        return [w for w in self.workers if w.lost is None]
+
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         """GET /health on every worker; an unreachable or failing one is marked down."""
         status = {}
         for worker in self.workers:
+            if worker.lost is not None:
+                status[worker.url] = False
+                continue
             try:
                 ok = self._client.get(f"{worker.url}/health", timeout=timeout_s).status_code == 200
             except httpx.HTTPError:
@@ -70,9 +117,11 @@ class Router:
     # ------------------------------------------------------------ traffic
     def _pick(self, tokens: int) -> Worker:
         with self._lock:
-            healthy = [w for w in self._workers.values() if w.healthy]
+            healthy = [w for w in self._workers.values() if w.healthy and w.lost is None]
             if not healthy:
-                raise NoHealthyWorker(f"no healthy engine among {list(self._workers)}")
+                lost = {w.url: w.lost for w in self._workers.values() if w.lost}
+                raise NoHealthyWorker(f"no healthy engine among {list(self._workers)}"
+                                      + (f" (lost: {lost})" if lost else ""))
             worker = min(healthy, key=lambda w: (w.outstanding_tokens, w.outstanding_requests))
             worker.outstanding_requests += 1
             worker.outstanding_tokens += tokens
@@ -84,14 +133,16 @@ class Router:
             worker.outstanding_tokens -= tokens
             worker.served += 1
 
-    @contextlib.contextmanager
-    def lease(self, tokens: int) -> Iterator[str]:
+    @contextlib.asynccontextmanager
+    async def lease_async(self, tokens: int):
         """The least-loaded healthy worker's URL, counted as ``tokens`` of outstanding work while held:
         a custom generate function sends every turn of a group to it, so later turns find the
-        earlier ones in its prefix cache."""
-        worker = self._pick(tokens)
+        earlier ones in its prefix cache. Waits for a worker while none is up; the body is
+        cancelled, raising EngineLost, when the worker is lost meanwhile."""
+        worker = await self.pick_async(tokens)
         try:
-            yield worker.url
+            async with self.bound(worker):
+                yield worker.url
         finally:
             self._done(worker, tokens)
 
@@ -110,18 +161,54 @@ class Router:
         return reply.json()
 
     async def generate_async(self, client: httpx.AsyncClient, payload: dict) -> dict | list:
-        """``generate`` on an asyncio client: the same choice of worker and the same accounting."""
+        """``generate`` on an asyncio client: the same choice of worker and the same accounting. Waits
+        for a worker while none is up (an engine being replaced); raises EngineLost when its worker is
+        lost meanwhile, and marks a worker it cannot reach lost."""
         tokens = _estimate_tokens(payload)
-        worker = self._pick(tokens)
+        worker = await self.pick_async(tokens)
         try:
-            reply = await client.post(f"{worker.url}/generate", json=payload, timeout=self.timeout_s)
-        except httpx.TransportError:
-            worker.healthy = False
+            async with self.bound(worker):
+                reply = await client.post(f"{worker.url}/generate", json=payload, timeout=self.timeout_s)
+        except (httpx.TransportError, EngineLost) as err:
+            if not isinstance(err, httpx.TimeoutException):  # refused or cut: the server is gone
+                self.mark_lost(worker.url, f"{type(err).__name__}: {err}")
             raise
         finally:
             self._done(worker, tokens)
         reply.raise_for_status()
         return reply.json()
+
+    async def pick_async(self, tokens: int, poll_s: float = 0.2) -> Worker:
+        """``_pick``, waiting up to the timeout while every worker is lost (until a replacement is added)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._pick(tokens)
+            except NoHealthyWorker as err:
+                if not any(w.lost for w in self.workers) or time.monotonic() > deadline:
+                    raise NoHealthyWorker(f"{err}; waited {self.timeout_s:.0f}s for a replacement") from None
+            await asyncio.sleep(poll_s)
+
+    @contextlib.asynccontextmanager
+    async def bound(self, worker: Worker):
+        """Run the body as work on ``worker``: when the worker is lost meanwhile, the body is cancelled
+        and EngineLost raised in its place."""
+        task = asyncio.current_task()
+        entry = (asyncio.get_running_loop(), task)
+        with self._lock:
+            if worker.lost is not None:
+                raise EngineLost(worker.url, worker.lost)
+            worker.waiting.add(entry)
+        try:
+            yield
+        except asyncio.CancelledError as err:
+            if worker.lost is None or LOST not in err.args:
+                raise
+            task.uncancel()  # our cancellation, turned into an error the caller handles
+            raise EngineLost(worker.url, worker.lost) from None
+        finally:
+            with self._lock:
+                worker.waiting.discard(entry)
 
     async def abort_async(self, client: httpx.AsyncClient, rids: list[str]) -> int:
         """Abort these requests on every worker (a worker that does not hold one answers 0 for it)."""
@@ -129,13 +216,13 @@ class Router:
             reply = await client.post(f"{url}/abort_request", json={"rid": rid}, timeout=self.timeout_s)
             reply.raise_for_status()
             return int(reply.json().get("aborted", 0))
-        counts = await asyncio.gather(*(one(w.url, rid) for w in self.workers for rid in rids))
+        counts = await asyncio.gather(*(one(w.url, rid) for w in self.serving for rid in rids))
         return sum(counts)
 
     def broadcast(self, path: str, payload: dict | None = None) -> list[dict]:
         """POST to every worker (pause, continue, release, resume, flush, abort)."""
         out = []
-        for worker in self.workers:
+        for worker in self.serving:
             reply = self._client.post(f"{worker.url}{path}", json=payload or {}, timeout=self.timeout_s)
             reply.raise_for_status()
             out.append(reply.json())
@@ -145,7 +232,7 @@ class Router:
         """GET from every worker (load and cache counters); ``missing_ok``: a worker answering 404 (a
         backend without the endpoint) gives {}."""
         out = []
-        for worker in self.workers:
+        for worker in self.serving:
             try:
                 reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)
             except httpx.TransportError as err:
@@ -162,6 +249,10 @@ class Router:
 
     def close(self) -> None:
         self._client.close()
+
+
+LOST = "tether: engine lost"
+"""The message of the cancellations ``mark_lost`` sends, told apart from any other cancellation."""
 
 
 def _estimate_tokens(payload: dict) -> int:

@@ -124,7 +124,7 @@ def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> 
     trainer = TrainerGroup(cfg, placement)
     replay = cfg.debug.load_rollouts is not None  # saved rollouts stand in for the engines
     engines = [] if replay else create_engines(cfg, placement)
-    rollout = ReplayRollout(cfg) if replay else RolloutHandle(cfg, engines)
+    rollout = ReplayRollout(cfg) if replay else RolloutHandle(cfg, engines, placement)
     try:
         trainer.start()
         ready = {**getattr(rollout, "ready_s", {}), "trainer": clock.since_last()}
@@ -138,6 +138,7 @@ def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> 
             rollout.load_state(load_path)
         if engines or cfg.rollout.external_engines:
             trainer.connect_engines(engines, cfg.rollout.external_engines)
+            rollout.load_weights = trainer.replace_engine  # a replaced engine gets the current weights
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,
                         offload=cfg.cluster.offload and not replay, has_eval=bool(cfg.eval.datasets) and not replay,
@@ -179,7 +180,7 @@ def generate_rollouts(cfg: TetherConfig, overwrite: bool = False, config_path: s
         print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
     placement = plan_placement(cfg.cluster, placed_engines(cfg))
     engines = create_engines(cfg, placement)
-    rollout = RolloutHandle(cfg, engines)
+    rollout = RolloutHandle(cfg, engines, placement)  # a replaced engine loads model.path, as the others did
     try:
         rollout.keep_all_dumps()
         num_rollout = cfg.rollout.num_rollout or rollout.num_rollout_per_epoch() * cfg.rollout.num_epoch

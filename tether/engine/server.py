@@ -24,6 +24,7 @@ from safetensors.torch import load as load_safetensors
 from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
+from tether.faults import engine_fault
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, response,
@@ -75,6 +76,7 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     @app.post("/generate")
     def generate(body: GenerateIn) -> Any:
+        engine_fault()
         prompts = body.prompts(tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))

@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException
 from safetensors.torch import load as load_safetensors
 
 from tether.engine.base import MEMORY_TAGS
+from tether.faults import engine_fault
 from tether.engine.protocol import AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn, UpdateWeightsIn
 from tether.http_client import async_client, pool_limits
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
@@ -112,6 +113,7 @@ def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_ti
 
     @app.post("/generate")
     async def generate(body: GenerateIn) -> Any:
+        engine_fault()
         prompts = body.prompts(tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))

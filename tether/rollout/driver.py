@@ -21,6 +21,7 @@ Two schedules:
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import uuid
 from collections import Counter
@@ -32,7 +33,8 @@ import httpx
 from tether.engine.sampling import SamplingParams
 from tether.http_client import async_client, engine_headers, pool_limits
 from tether.rollout.fleet import EngineFleet, split_groups
-from tether.rollout.generate_fn import CustomGenerate, group_tokens
+from tether.rollout.generate_fn import CustomGenerate, GenerateError, group_tokens
+from tether.router import EngineLost
 from tether.sample import Sample
 
 Group = list[Sample]
@@ -165,9 +167,25 @@ class _Run:
         spec = self.custom.spec_for(samples[0]) if self.custom else None
         if spec is None:
             return await self.fleet.generate(self.client, samples, self.params, seeds, rids, what)
-        with self.fleet.router.lease(group_tokens(samples, self.params)) as url:
-            samples[:] = await self.custom.generate_group(spec, list(samples), self.params, url, self.client, seeds,
-                                                          rids, lambda: self.cut, self.timeout_s, self.evaluation)
+        router = self.fleet.router
+        while True:
+            # A group whose engine is lost starts again, from what it was, on another engine.
+            before = copy.deepcopy(samples) if self.fleet.reissue else None
+            url = None
+            try:
+                async with router.lease_async(group_tokens(samples, self.params)) as url:
+                    samples[:] = await self.custom.generate_group(spec, list(samples), self.params, url, self.client,
+                                                                  seeds, rids, lambda: self.cut, self.timeout_s,
+                                                                  self.evaluation)
+                return
+            except (EngineLost, GenerateError) as err:
+                cause = err.__cause__
+                connection = isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
+                if before is None or not (isinstance(err, EngineLost) or connection):
+                    raise
+                router.mark_lost(url, f"{type(cause).__name__}: {cause}" if connection else err.reason)
+                samples[:] = before
+                self.fleet.reissued_samples += len(samples)
 
     async def _groups(self, items: list[Started]) -> None:
         """Generate these groups in one request (a generate function: each its own way), then judge them."""

@@ -4,6 +4,10 @@ One call sends some samples as one /generate request (SGLang's batch form: a lis
 sampling-parameter dict each, one rid each). Samples of one group travel together, so the engine
 prefills their shared prompt once. Every sample carries its own sampling seed: its tokens depend on
 that seed, not on the engine or the request that served it.
+
+That is what makes a lost engine cheap: a request whose engine dies or freezes (the router marks it
+lost, see EngineWatch) is sent again, unchanged, to another engine, and gives the samples the lost
+one would have given. Nothing of the first try was kept (a sample is filled only from a reply).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.router import Router
+from tether.router import EngineLost, NoHealthyWorker, Router
 from tether.sample import Sample
 
 
@@ -50,7 +54,12 @@ def fill_response(sample: Sample, out: dict) -> None:
 
 
 class EngineFleet:
-    def __init__(self, urls: list[str], timeout_s: float, router: str = "builtin", log_dir: str | None = None):
+    def __init__(self, urls: list[str], timeout_s: float, router: str = "builtin", log_dir: str | None = None,
+                 reissue: bool = False):
+        """``reissue``: send a request whose engine is lost to another engine (engine fault tolerance)
+        instead of failing the rollout."""
+        self.reissue = reissue
+        self.reissued_samples = 0
         if not urls:
             raise ValueError("EngineFleet needs at least one engine URL")
         if router == "sglang_router":
@@ -63,7 +72,8 @@ class EngineFleet:
 
     @property
     def num_engines(self) -> int:
-        return len(self.router.workers)
+        """Engines serving now (at least 1: requests wait for a replacement when every one is lost)."""
+        return max(1, len(self.router.serving))
 
     async def generate(self, client: httpx.AsyncClient, samples: list[Sample], params: SamplingParams,
                        seeds: list[int], rids: list[str], what: str) -> None:
@@ -76,19 +86,29 @@ class EngineFleet:
         if not todo:  # a group carried over complete (partial rollout): nothing to generate
             return
         samples, seeds, rids = [samples[k] for k in todo], [seeds[k] for k in todo], [rids[k] for k in todo]
-        start = time.perf_counter()
-        payload = self.payload(samples, params, seeds, rids)
-        try:
-            outputs = await self.router.generate_async(client, payload)
-        except httpx.HTTPStatusError as err:
-            raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
-        except httpx.TimeoutException as err:
-            raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
-        except httpx.TransportError as err:
-            raise GenerationError(f"{what}: lost the connection to {_url(err)} after {time.perf_counter() - start:.1f}s "
-                                  f"({err!r})") from None
+        outputs = await self.send(client, self.payload(samples, params, seeds, rids), what)
         for sample, out in zip(samples, outputs):
             fill_response(sample, out)
+
+    async def send(self, client: httpx.AsyncClient, payload: dict, what: str) -> list[dict]:
+        """POST /generate through the router; with ``reissue``, again to another engine each time the
+        engine holding it is lost, until the router has none left to wait for."""
+        start = time.perf_counter()
+        while True:
+            try:
+                return await self.router.generate_async(client, payload)
+            except httpx.HTTPStatusError as err:
+                raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
+            except httpx.TimeoutException as err:
+                raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
+            except NoHealthyWorker as err:
+                raise GenerationError(f"{what}: {err}") from None
+            except (httpx.TransportError, EngineLost) as err:
+                if not self.reissue:
+                    where = err.url if isinstance(err, EngineLost) else _url(err)
+                    raise GenerationError(f"{what}: lost the connection to {where} after "
+                                          f"{time.perf_counter() - start:.1f}s ({err!r})") from None
+                self.reissued_samples += len(payload["input_ids"])
 
     def payload(self, samples: list[Sample], params: SamplingParams, seeds: list[int], rids: list[str]) -> dict:
         return {"input_ids": [s.prompt_ids + s.response_ids for s in samples],
@@ -107,6 +127,11 @@ class EngineFleet:
 
     def health(self) -> dict[str, bool]:
         return self.router.check_health()
+
+    def replace(self, lost_url: str, new_url: str) -> None:
+        """A replacement engine takes a lost one's place."""
+        self.router.remove_worker(lost_url)
+        self.router.add_worker(new_url)
 
     def prefill_counters(self) -> dict[str, float]:
         """Prompt tokens the engines prefilled so far, summed: computed, taken from the cross-request prefix

@@ -1,72 +1,140 @@
-"""Driver-side handle to the rollout manager actor and the engine actors it drives."""
+"""Driver-side handle to the rollout manager actor and the engine actors it drives.
+
+While it waits for a rollout or an eval, the handle asks the manager (every
+cluster.engine_health_interval_s) which engines were lost, and replaces each: the lost actor is
+killed, a new one starts on its placement-group bundle, gets the trainer's current weights (or
+loads model.path when there is no trainer), and joins the router, which has meanwhile sent the lost
+engine's requests to the others (or held them, when it was the only one).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
-from tether.cluster import Placement, actor_resources, dead_actors, key_env, torch_threads, wait
+from tether.cluster import Placement, actor_resources, dead_actors, key_env, log_tail, torch_threads, wait
 from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, startup_timeout_s
-from tether.errors import EngineDiedError
-from tether.faults import crash_point
-from tether.rollout.manager import MANAGER_SECONDS, RolloutManager
+from tether.errors import EngineDiedError, RemoteTimeout
+from tether.faults import ENGINE_FAULT, crash_point
+from tether.rollout.manager import FAULTS, MANAGER_SECONDS, RolloutManager
+
+WeightLoader = Callable[[int, Any, str], None]
+"""(engine index, new engine actor, its URL): give a replacement engine the current weights."""
 
 
 def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
     """The engine actors of rollout.engine's backend, created and not waited for: they load their
     models while the trainer and the rollout manager start (RolloutHandle waits for them). None for
     rollout.external_engines: those servers run already."""
-    c = cfg.cluster
     if cfg.rollout.external_engines:
         return []
+    return [create_engine(cfg, placement, k) for k in range(len(placement.engine_bundles))]
+
+
+def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
+    """Engine ``index``'s actor on its bundle (at the start, or replacing a lost one)."""
+    c = cfg.cluster
     share = 2 if placement.colocate else 1
     busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
-    actor = ray.remote(cls)
-    return [actor.options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share),
-                          **key_env(c)).remote(**kwargs)
-            for bundle in placement.engine_bundles]
+    return ray.remote(cls).options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
+                                   **actor_resources(c, share), **engine_env(c)).remote(**kwargs)
+
+
+def engine_env(c) -> dict:
+    """key_env, and the engine fault a test asked for (TETHER_ENGINE_FAULT, see tether/faults.py)."""
+    options = key_env(c)
+    if ENGINE_FAULT in os.environ:
+        env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env[ENGINE_FAULT] = os.environ[ENGINE_FAULT]
+    return options
 
 
 class RolloutHandle:
-    def __init__(self, cfg: TetherConfig, engines: list[Any]):
+    def __init__(self, cfg: TetherConfig, engines: list[Any], placement: Placement | None = None):
         """Starts the rollout manager (which loads the data while the engines load their models),
-        waits for both and connects them. ``ready_s``: seconds until each was ready."""
+        waits for both and connects them. ``ready_s``: seconds until each was ready. With the
+        ``placement`` the engines were created on, lost engines are replaced."""
         start = time.perf_counter()
+        self.cfg, self.placement = cfg, placement
         self.timeout_s = cfg.cluster.call_timeout_s
         self.engines = engines
+        self.restarts = 0
+        self.load_weights: WeightLoader | None = None  # set once a trainer holds the weights
         # The manager only coordinates; a small CPU share outside the placement group is enough.
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0.1, **key_env(cfg.cluster)).remote(
-            cfg.model_dump(mode="json"))
+        manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)
+        self.actor = manager.options(num_cpus=0.1, **key_env(cfg.cluster)).remote(cfg.model_dump(mode="json"))
         self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
         self.ready_s = {"rollout manager": time.perf_counter() - start}
         health = wait([e.health.remote() for e in engines], startup_timeout_s(cfg),
                       f"{len(engines)} {cfg.rollout.engine} engine(s) to load {cfg.model.path}")
         self.ready_s["engines"] = time.perf_counter() - start
         self.engine_pids = [h["pid"] for h in health]
-        urls = [h["url"] for h in health] + list(cfg.rollout.external_engines)
-        self._get(self.actor.connect_engines.remote(urls), "connect_engines")
+        self.urls = [h["url"] for h in health]
+        self.replaces = placement is not None and cfg.cluster.max_engine_restarts > 0
+        self._get(self.actor.connect_engines.remote(self.urls + list(cfg.rollout.external_engines), self.replaces),
+                  "connect_engines")
 
     def _get(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
         return wait(ref, self.timeout_s + extra_s, f"rollout.{what}")
 
     def _get_from_engines(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
-        """``_get`` for work that goes to the engines: when it fails and an engine has died, say that
-        (with Ray's exit reason and the tail of its log) rather than the connection error it caused."""
+        """``_get`` for work that goes to the engines, replacing lost engines while it waits (their
+        time does not count against the call's). When it fails and an engine has died, say that (with
+        Ray's exit reason and the tail of its log) rather than the connection error it caused."""
         try:
-            return self._get(ref, what, extra_s)
+            deadline = time.monotonic() + self.timeout_s + extra_s
+            while not ray.wait([ref], timeout=self.cfg.cluster.engine_health_interval_s)[0]:
+                if self.replaces:
+                    deadline += self.replace_lost()
+                if time.monotonic() > deadline:
+                    raise RemoteTimeout(f"timed out after {self.timeout_s + extra_s:.0f}s waiting for rollout.{what}")
+            if self.replaces:  # lost near the end: replaced before the weights are pushed to it
+                self.replace_lost()
+            return ray.get(ref)
         except Exception as err:
             dead = dead_actors({f"engine {i}": (e, pid) for i, (e, pid) in enumerate(zip(self.engines, self.engine_pids))})
             if dead:
                 raise EngineDiedError(f"rollout.{what} failed because an engine process died:\n" + "\n".join(dead)
                                       + f"\n(the error it caused: {str(err).strip().splitlines()[-1]})") from err
             raise
+
+    def replace_lost(self) -> float:
+        """Replace every engine the manager reports lost; returns the seconds it took."""
+        start = time.monotonic()
+        lost = wait(self.actor.lost_engines.remote(), 30, "rollout.lost_engines")
+        for url, reason in lost.items():
+            if url in self.urls:  # an external engine is not ours to restart: it stays out
+                self._replace(self.urls.index(url), reason)
+        return time.monotonic() - start
+
+    def _replace(self, index: int, reason: str) -> None:
+        c, name = self.cfg.cluster, f"engine {index} ({self.urls[index]}, pid {self.engine_pids[index]})"
+        if self.restarts >= c.max_engine_restarts:
+            raise EngineDiedError(f"{name} was lost ({reason}), and the run already replaced "
+                                  f"cluster.max_engine_restarts={c.max_engine_restarts} engine(s)\n"
+                                  + log_tail(self.engine_pids[index]))
+        self.restarts += 1
+        print(f"[tether] {name} lost: {reason}; starting a replacement on its bundle "
+              f"(engine restart {self.restarts}/{c.max_engine_restarts})", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        ray.kill(self.engines[index], no_restart=True)  # a frozen process too: Ray kills it
+        engine = create_engine(self.cfg, self.placement, index)
+        health = wait(engine.health.remote(), startup_timeout_s(self.cfg),
+                      f"replacement engine {index} to load {self.cfg.model.path}")
+        if self.load_weights is not None:
+            self.load_weights(index, engine, health["url"])
+        self._get(self.actor.replace_engine.remote(self.urls[index], health["url"]), "replace_engine")
+        self.engines[index], self.engine_pids[index], self.urls[index] = engine, health["pid"], health["url"]
+        print(f"[tether] engine {index} replaced by {health['url']} (pid {health['pid']}) in "
+              f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
 
     def num_rollout_per_epoch(self) -> int:
         return self._get(self.actor.num_rollout_per_epoch.remote(), "num_rollout_per_epoch")
@@ -76,6 +144,7 @@ class RolloutHandle:
         start = time.perf_counter()
         batch_ref, metrics = self.submit_generate(rollout_id).result()
         metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics[MANAGER_SECONDS]
+        metrics["faults/engine_restarts"] = float(self.restarts)
         return batch_ref, {k: v for k, v in metrics.items() if k != MANAGER_SECONDS}
 
     def submit_generate(self, rollout_id: int) -> PendingGenerate:
@@ -96,6 +165,7 @@ class RolloutHandle:
         crash_point("generate", rollout_id)
         metrics = self._get_from_engines(metrics_ref, f"take(rollout {rollout_id})", extra_s=30.0)
         metrics["timing/rollout_call_overhead_s"] = time.perf_counter() - start - metrics.pop(MANAGER_SECONDS)
+        metrics["faults/engine_restarts"] = float(self.restarts)
         return batch_ref, metrics
 
     def pause(self) -> None:

@@ -16,6 +16,8 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import ray
+
 from tether.batch import TrainBatch
 from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
@@ -31,6 +33,7 @@ from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
 from tether.rollout.filters import FilterError, load_filter
 from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec, takes_evaluation
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
+from tether.rollout.engine_watch import EngineWatch
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.health import RolloutHealth, answer_counts
 from tether.rollout.stream import STREAM_STATE, RolloutStream, StreamSettings, staleness_metrics
@@ -158,6 +161,10 @@ def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
 MANAGER_SECONDS = "timing/rollout_manager_s"
 """The manager's own time for a rollout; the handle turns it into the Ray call's overhead."""
 
+FAULTS = "faults"
+"""The manager's concurrency group for lost engines: the driver asks about them and hands in their
+replacements while a rollout runs (the default group runs one call at a time)."""
+
 
 class RolloutManager:
     def __init__(self, cfg_dict: dict, engine_urls: list[str] | None = None):
@@ -205,10 +212,14 @@ class RolloutManager:
         if engine_urls is not None:
             self.connect_engines(engine_urls)
 
-    def connect_engines(self, urls: list[str]) -> None:
+    def connect_engines(self, urls: list[str], reissue: bool = False) -> None:
+        """``reissue``: the driver replaces lost engines, so a lost engine's requests go to the others
+        (or wait for its replacement) instead of failing the rollout."""
+        c = self.cfg.cluster
         log_dir = Path(self.cfg.output_dir) / "engine_logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.fleet = EngineFleet(urls, self.cfg.cluster.call_timeout_s, self.cfg.cluster.router, str(log_dir))
+        self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue)
+        self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s)
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
         r = self.cfg.rollout
         if r.max_staleness and r.async_mode == "fully_async" and self.data is not None:
@@ -287,6 +298,7 @@ class RolloutManager:
     # ------------------------------------------------------------ fully asynchronous rollout
     def stream_start(self, version: int, next_take: int) -> None:
         self._require_stream().start(version, next_take)
+        self.watch.set_active(True)
 
     def stream_take(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """The next rollout from the stream (called with num_returns=2, like generate)."""
@@ -306,10 +318,12 @@ class RolloutManager:
                             [{"epoch": f.epoch, "draw": f.seq} for f in flights])
 
     def stream_pause(self) -> None:
+        self.watch.set_active(False)  # a paused engine does not generate: its heartbeat would fail
         self._require_stream().pause()
 
     def stream_resume(self, version: int) -> None:
         self._require_stream().resume(version)
+        self.watch.set_active(True)
 
     def _require_stream(self) -> RolloutStream:
         if self.stream is None:
@@ -330,9 +344,12 @@ class RolloutManager:
         fn, spec = self.rollout_fn, self.cfg.rollout.custom_rollout_fn
         if fn is None or (evaluation and not takes_evaluation(fn)):
             fn, spec = builtin_rollout, "built-in"
-        before = self.fleet.prefill_counters()
-        out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, user_fn=fn is not builtin_rollout))
+        before, reissued = self.fleet.prefill_counters(), self.fleet.reissued_samples
+        with self.watch.watching():
+            out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, user_fn=fn is not builtin_rollout))
         out.metrics.update(prefix_cache_metrics(before, self.fleet.prefill_counters(), metric_prefix))
+        if not evaluation:
+            out.metrics["faults/samples_reissued"] = float(self.fleet.reissued_samples - reissued)
         return out
 
     def _group_size(self, groups: list[list[Sample]]) -> int:
@@ -445,3 +462,13 @@ class RolloutManager:
 
     def engine_health(self) -> dict[str, bool]:
         return self.fleet.health()
+
+    # ------------------------------------------------------------ lost engines (while a rollout runs)
+    @ray.method(concurrency_group=FAULTS)
+    def lost_engines(self) -> dict[str, str]:
+        """URL -> why, of the engines lost and not yet replaced."""
+        return self.fleet.router.lost() if self.fleet is not None else {}
+
+    @ray.method(concurrency_group=FAULTS)
+    def replace_engine(self, lost_url: str, new_url: str) -> None:
+        self.fleet.replace(lost_url, new_url)

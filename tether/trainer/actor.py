@@ -62,6 +62,9 @@ class TrainActor:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.sender: WeightSender | None = None
+        self.engines: list[Any] = []  # weight-sync targets: engine actors, and their servers' URLs
+        self.engine_urls: list[str] = []
+        self.policy_version = 0  # the version of the weights as they are now (pushed or about to be)
         self.ref_model = None
         self.critic: Critic | None = None
         self.guard = NonFiniteGuard(self.cfg.train.skip_nonfinite_steps)  # counts bad steps across calls
@@ -135,8 +138,10 @@ class TrainActor:
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
                                  self.rank, self.world, self.ref_model, self.critic, self.guard, what)
         metrics["timing/train_s"] = time.perf_counter() - start
-        if self.rank == 0 and batch.rewards is not None:
-            self._log_trained(step_id, batch)
+        if batch.rewards is not None:
+            self.policy_version = step_id + 1  # the version the push after this rollout gives the engines
+            if self.rank == 0:
+                self._log_trained(step_id, batch)
         return metrics
 
     def _log_trained(self, rollout_id: int, batch: TrainBatch) -> None:
@@ -158,29 +163,46 @@ class TrainActor:
     # ------------------------------------------------------------ weights
     def connect_engines(self, engines: list[Any], urls: list[str]) -> None:
         """Rank 0 sets up the weight transport to the engines (Ray handles, and their HTTP URLs)."""
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            self.engines, self.engine_urls = list(engines), list(urls)
+            self.sender = self._sender(self.engines, self.engine_urls)
+
+    def _sender(self, engines: list[Any], urls: list[str]) -> WeightSender:
         c = self.cfg.cluster
         bucket_bytes = int(c.weight_sync_bucket_mb * 2**20)
         if c.weight_sync == "distributed":
             import ray
 
-            self.sender = DistributedSender(urls, ray.util.get_node_ip_address(),
-                                            backend="nccl" if self.device == "cuda" else "gloo",
-                                            bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device)
-        else:
-            self.sender = ObjectStoreSender(engines, bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s)
+            return DistributedSender(urls, ray.util.get_node_ip_address(), backend="nccl" if self.device == "cuda" else "gloo",
+                                     bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device)
+        return ObjectStoreSender(engines, bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Gather full weights (collective) and stream them from rank 0 to every engine."""
+        self.policy_version = version
         tensors = ((name, t.to("cpu")) for name, t in full_tensors(self.model))
         if self.rank == 0:
-            if self.sender is None:
+            if not self.engine_urls:
                 raise RuntimeError("push_weights before connect_engines")
+            if self.sender is None:  # an engine was replaced: the transport is set up again for all
+                self.sender = self._sender(self.engines, self.engine_urls)
             return self.sender.send(tensors, version)
         for _ in tensors:  # other ranks take part in each gather
             pass
         return {}
+
+    def replace_engine(self, index: int, engine: Any, url: str) -> dict[str, float]:
+        """A new engine takes engine ``index``'s place: it gets the current weights (as version
+        ``policy_version``) through a transport of its own, now, while the others generate; the
+        next push sets the transport up again for every engine."""
+        tensors = ((name, t.to("cpu")) for name, t in full_tensors(self.model))
+        if self.rank != 0:
+            for _ in tensors:  # other ranks take part in each gather
+                pass
+            return {}
+        self.engines[index], self.engine_urls[index] = engine, url
+        self.sender = None
+        return self._sender([engine], [url]).send(tensors, self.policy_version)
 
     # ------------------------------------------------------------ state
     def save(self, staging_dir: str) -> None:

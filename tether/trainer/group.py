@@ -64,6 +64,10 @@ class TrainerGroup:
         urls = wait([e.url.remote() for e in engines], self.group.timeout_s, "engine server addresses")
         self.group.call("connect_engines", engines, urls + list(external_urls), what="connect engines")
 
+    def replace_engine(self, index: int, engine: Any, url: str) -> None:
+        """Give a replacement engine the current weights; later pushes include it."""
+        self.group.call("replace_engine", index, engine, url, what=f"weights for replacement engine {index}")
+
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         refs = self.group.submit("push_weights", version)
