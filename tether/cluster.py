@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tether.config import ClusterConfig
 from tether.errors import RemoteTimeout, TrainerDiedError
 from tether.http_guard import API_KEY_ENV
+from tether.scheduling import wait_placement
 
 
 def wait(refs: Any, timeout_s: float, what: str) -> Any:
@@ -93,7 +94,8 @@ def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
     start_ray(cfg, n_bundles)
     # PACK keeps a rank's bundles on as few nodes as possible, so bundle order follows node order.
     group = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
-    wait(group.ready(), cfg.call_timeout_s, f"placement group of {n_bundles} bundles {bundle}")
+    wait_placement(group.ready(), [dict(bundle) for _ in range(n_bundles)], cfg.call_timeout_s,
+                   f"placement group of {n_bundles} bundles {bundle}")
     if cfg.colocate:
         train = list(range(n_train))
         engines = [i % n_bundles for i in range(n_engine)]

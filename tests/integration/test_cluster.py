@@ -96,3 +96,40 @@ def test_a_local_ray_listens_on_loopback_only():
     assert line is not None, out.stderr[-3000:]
     addrs = ast.literal_eval(line.split(" ", 1)[1].rsplit(" ", 1)[0])
     assert addrs and set(addrs) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, line
+
+
+@pytest.mark.parametrize("cluster,problem", [
+    ({"cpus_per_bundle": 64}, "bundle 0 asks for 64 CPU and no node has that much"),
+    ({"num_train_actors": 3, "colocate": True, "cpus_per_bundle": 3}, "its 3 bundles ask for 9 CPU in all")],
+    ids=["a-bundle-no-node-has", "more-than-the-cluster"])
+def test_a_placement_group_that_cannot_fit_is_reported_within_seconds(ray_session, cluster, problem):
+    from tether.scheduling import Unschedulable
+
+    start = time.monotonic()
+    with pytest.raises(Unschedulable) as err:
+        plan_placement(ClusterConfig(call_timeout_s=600, **cluster))
+    assert time.monotonic() - start < 10
+    text = str(err.value)
+    assert problem in text and "The cluster has 1 node(s) [8 CPU 0 GPU]" in text
+
+
+def test_a_rollout_manager_without_room_is_reported_within_seconds(ray_session, tiny_model_dir, addition_data, tmp_path):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from tether.rollout.handle import RolloutHandle
+    from tether.scheduling import Unschedulable
+
+    free = ray.available_resources().get("CPU", 0)
+    hog = placement_group([{"CPU": free}])  # every free CPU taken, as by a placement group of the run
+    ray.get(hog.ready(), timeout=30)
+    try:
+        cfg = config_from_dict(tiny_config(tiny_model_dir, addition_data, tmp_path / "run"))
+        start = time.monotonic()
+        with pytest.raises(Unschedulable) as err:
+            RolloutHandle(cfg, [])
+        assert time.monotonic() - start < 15  # the call timeout is 120 s
+        text = str(err.value)
+        assert "the rollout manager start (loading data) asks for 0.1 CPU outside the placement group" in text
+        assert "free now (outside placement groups): 0 CPU" in text
+    finally:
+        remove_placement_group(hog)

@@ -22,7 +22,11 @@ from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
 from tether.faults import ENGINE_FAULT, crash_point
+from tether.scheduling import wait_started
 from tether.rollout.manager import FAULTS, MANAGER_SECONDS, RolloutManager
+
+MANAGER_CPUS = 0.1
+"""The rollout manager only coordinates: a small CPU share outside the placement group."""
 
 WeightLoader = Callable[[int, Any, str], None]
 """(engine index, new engine actor, its URL): give a replacement engine the current weights."""
@@ -68,10 +72,14 @@ class RolloutHandle:
         self.engines = engines
         self.restarts = 0
         self.load_weights: WeightLoader | None = None  # set once a trainer holds the weights
-        # The manager only coordinates; a small CPU share outside the placement group is enough.
         manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)
-        self.actor = manager.options(num_cpus=0.1, **key_env(cfg.cluster)).remote(cfg.model_dump(mode="json"))
-        self.info = self._get(self.actor.data_info.remote(), "rollout manager start (loading data)")
+        self.actor = manager.options(num_cpus=MANAGER_CPUS, **key_env(cfg.cluster)).remote(cfg.model_dump(mode="json"))
+        try:
+            self.info = wait_started(self.actor.data_info.remote(), self.actor, {"CPU": MANAGER_CPUS}, self.timeout_s,
+                                     "rollout manager start (loading data)")
+        except BaseException:
+            ray.kill(self.actor)  # not left waiting for room, to start once the caller has given up
+            raise
         self.ready_s = {"rollout manager": time.perf_counter() - start}
         health = wait([e.health.remote() for e in engines], startup_timeout_s(cfg),
                       f"{len(engines)} {cfg.rollout.engine} engine(s) to load {cfg.model.path}")
