@@ -51,6 +51,7 @@ def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
     # Actors pin torch threads themselves; logical CPUs only need to cover the layout.
     need = int(num_bundles * cfg.cpus_per_bundle) + 2  # + rollout manager and slack
     ray.init(
+        address="local",  # a new local Ray, even when a `ray start` cluster runs on this machine
         num_cpus=cfg.ray_num_cpus or max(need, 4),
         num_gpus=None if cfg.gpus_per_bundle else 0,
         include_dashboard=False,

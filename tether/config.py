@@ -179,13 +179,18 @@ class AlgorithmConfig(Section):
                              f"({', '.join(sorted(TOKEN_LEVEL))}), got {self.advantage_estimator!r}")
         if self.rollout_is_low >= self.rollout_is_high:
             raise ValueError(f"rollout_is_low={self.rollout_is_low} must be below rollout_is_high={self.rollout_is_high}")
-        if ":" not in self.policy_loss:
+        return self
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if ":" not in value:
             from tether.algorithms.losses import POLICY_LOSSES
 
-            if self.policy_loss not in POLICY_LOSSES:
-                raise ValueError(f"policy_loss {self.policy_loss!r} is not one of {sorted(POLICY_LOSSES)} "
-                                 "nor a 'module:function' / 'file.py:function'")
-        return self
+            if value not in POLICY_LOSSES:
+                raise ValueError(f"{value!r} is not one of {sorted(POLICY_LOSSES)} nor a 'module:function' / "
+                                 "'file.py:function'")
+        return value
 
 
 class CriticConfig(Section):
@@ -200,8 +205,9 @@ class CriticConfig(Section):
 class TrainConfig(Section):
     global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step (all ranks). None: one step per rollout (the whole rollout batch)."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Samples per forward/backward on one rank; gradients accumulate up to the global batch."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward on one rank; gradients accumulate up to the global batch. At most the
+    samples a rank has per optimizer step. None: 8 (or all of a rank's samples, when it has fewer)."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Pack samples without padding into micro-batches of about this many tokens each (replaces
     micro_batch_size), with ranks balanced by tokens (tether/trainer/micro_batches.py). None: off."""
@@ -382,6 +388,12 @@ class TetherConfig(Section):
                 f"train.global_batch_size={gbs} must be divisible by cluster.num_train_actors="
                 f"{self.cluster.num_train_actors}"
             )
+        per_rank = (gbs or samples) // self.cluster.num_train_actors
+        mbs = self.train.micro_batch_size
+        if mbs is not None and self.train.max_tokens_per_micro_batch is None and mbs > per_rank:
+            raise ValueError(f"train.micro_batch_size={mbs} is larger than the samples a rank "
+                             f"has per optimizer step ({per_rank}: train.global_batch_size={gbs or samples} over "
+                             f"{self.cluster.num_train_actors} train actor(s)); a micro-batch cannot hold more")
         if self.deterministic and self.rollout.keep_order == "finish":
             raise ValueError("rollout.keep_order: finish depends on which group finishes first; it cannot be "
                              "combined with deterministic: true (use keep_order: start)")
@@ -495,6 +507,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file not found: {path}")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.MarkedYAMLError as err:  # the line and column where the parser gave up
+            mark = err.problem_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            context = f" ({err.context} at line {err.context_mark.line + 1})" if err.context and err.context_mark else ""
+            raise ConfigError(f"{where}: not valid YAML: {err.problem}{context}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(raw, dict):

@@ -264,7 +264,21 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 def _load_user_loss(spec: str) -> PolicyLossFn:
     # Loaded once per process: executing the user's file on every micro-batch would be slow and
     # would reset any state the module keeps.
-    return load_function(spec, "policy loss")
+    fn = load_function(spec, "policy loss")
+
+    def checked(inp: LossInputs, params: LossParams) -> tuple[Tensor, dict[str, float]]:
+        # A wrong return would otherwise fail deep in the step ("cannot unpack", "cannot be converted
+        # to Scalar"); say which function returned what.
+        out = fn(inp, params)
+        what = f"algorithm.policy_loss '{spec}' returned"
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise TypeError(f"{what} {out!r:.200}; expected (loss, metrics): a scalar tensor and a dict")
+        if not isinstance(out[0], Tensor) or out[0].dim() != 0:
+            shape = f"shape {tuple(out[0].shape)}" if isinstance(out[0], Tensor) else type(out[0]).__name__
+            raise TypeError(f"{what} a loss of {shape}; expected a scalar tensor (a mean over the tokens)")
+        return out
+
+    return checked
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

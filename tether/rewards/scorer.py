@@ -7,13 +7,17 @@
 
 Groups are scored as they finish (``score_group`` is a coroutine): async functions of the group's
 samples are awaited together, a sync function runs in a worker thread so that the rollout's other
-requests are served meanwhile.
+requests are served meanwhile. A group's functions get ``rollout.reward_timeout_s`` in all; the
+worker threads are the scorer's own, so a function that never returns holds one of them, not the
+end of the rollout's event loop (which waits for the default executor's threads).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from tether.importing import load_function
@@ -29,6 +33,9 @@ class Scorer:
                  post_process: str | None = None, timeout_s: float = 60.0, retries: int = 2,
                  field: str = "rollout.reward"):
         self.key = reward_key
+        self.timeout_s = timeout_s
+        self.field = "rollout.group_reward" if group_reward else field
+        self._threads = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="reward")
         self.group_spec = group_reward
         self.spec = group_reward or reward
         self.remote = RemoteReward(reward, timeout_s, retries) if is_remote(reward) and not group_reward else None
@@ -41,17 +48,29 @@ class Scorer:
 
     async def score_group(self, samples: list[Sample]) -> None:
         """Set the reward of every sample of one group."""
-        if self.group_fn is not None:
-            values = await self._group(samples)
-        elif self.remote is not None:
+        if self.remote is not None:  # bounded by its own timeout and retries
             values = await self.remote.score(samples)
-        elif is_async(self.fn):
-            values = await asyncio.gather(*(self._one_async(s) for s in samples))
-        else:  # validated and stored as it goes
-            await asyncio.to_thread(compute_rewards, self.fn, samples, self.spec, self.key)
-            return
+        else:
+            try:
+                values = await asyncio.wait_for(self._local(samples), self.timeout_s)
+            except TimeoutError:
+                s = samples[0]
+                raise RewardError(f"{self.field} '{self.spec}' did not return within rollout.reward_timeout_s="
+                                  f"{self.timeout_s:g}s for the group of rollout {s.rollout_id}, prompt_index="
+                                  f"{s.prompt_index} ({len(samples)} samples)") from None
+            if values is None:  # validated and stored as it went
+                return
         for sample, value in zip(samples, values):
             set_reward(sample, value, self.spec, self.key)
+
+    async def _local(self, samples: list[Sample]) -> list | None:
+        if self.group_fn is not None:
+            return await self._group(samples)
+        if is_async(self.fn):
+            return list(await asyncio.gather(*(self._one_async(s) for s in samples)))
+        await asyncio.get_running_loop().run_in_executor(self._threads, compute_rewards, self.fn, samples, self.spec,
+                                                         self.key)
+        return None
 
     def score(self, samples: list[Sample], group_size: int) -> list[float]:
         """``score_group`` for each group, outside an event loop (the eval's constant-answer check)."""
@@ -72,7 +91,8 @@ class Scorer:
             if inspect.iscoroutinefunction(self.group_fn):
                 values = await self.group_fn(samples)
             else:
-                values = await asyncio.to_thread(lambda: resolve(self.group_fn(samples)))
+                values = await asyncio.get_running_loop().run_in_executor(
+                    self._threads, lambda: resolve(self.group_fn(samples)))
         except Exception as exc:
             raise RewardError(f"rollout.group_reward '{self.group_spec}' raised {type(exc).__name__}: {exc} "
                               f"(group of rollout {samples[0].rollout_id}, prompt_index={samples[0].prompt_index})") from exc

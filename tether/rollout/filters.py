@@ -54,15 +54,15 @@ def load_filter(spec: str | None, field: str = "rollout.dynamic_filter") -> Filt
                           "or give 'module:function' / 'file.py:function'")
 
     def checked(samples: list[Sample]) -> tuple[bool, str]:
+        group = f"group of prompt_index={samples[0].prompt_index}, rollout {samples[0].rollout_id}"
         try:
             out = fn(samples)
         except Exception as err:
-            s = samples[0]
-            raise FilterError(f"{field} '{spec}' raised {type(err).__name__}: {err} (group of prompt_index="
-                              f"{s.prompt_index}, rollout {s.rollout_id})") from err
+            raise FilterError(f"{field} '{spec}' raised {type(err).__name__}: {err} ({group})") from err
         keep, reason = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
         if not isinstance(keep, bool) or not (reason is None or isinstance(reason, str)):
-            raise FilterError(f"{field} '{spec}' returned {out!r}; expected a bool or (bool, reason string)")
+            raise FilterError(f"{field} '{spec}' returned {out!r:.200} for the {group}; expected a bool or "
+                              "(bool, reason string)")
         return keep, reason or ("" if keep else "filtered")
 
     return checked

@@ -36,6 +36,7 @@ from tether.weight_sync.distributed import DistributedSender
 
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
+DEFAULT_MICRO_BATCH = 8  # train.micro_batch_size unset: a smaller batch simply makes one micro-batch
 
 
 def free_port() -> int:
@@ -111,7 +112,7 @@ class TrainActor:
     def step_settings(self, policy_loss: str | None, global_batch_size: int) -> StepSettings:
         a = self.cfg.algorithm
         return StepSettings(
-            micro_batch_size=self.cfg.train.micro_batch_size,
+            micro_batch_size=self.cfg.train.micro_batch_size or DEFAULT_MICRO_BATCH,
             global_batch_size=global_batch_size,
             pad_id=self.pad_id,
             grad_clip=self.cfg.train.grad_clip,
