@@ -128,3 +128,21 @@ def test_shared_memory_slots_carry_buckets_bit_for_bit_and_the_segment_is_remove
     assert torch.equal(reader.tensors(shared)[buckets[-1][0][0]], buckets[-1][0][1])
     reader.close()
     segment.close()
+
+
+def test_a_store_master_listens_on_its_address_only():
+    import os
+    from datetime import timedelta
+
+    import psutil
+
+    from tether.weight_sync.distributed import free_port, tcp_store
+
+    port = free_port()
+    master = tcp_store("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    worker = tcp_store("127.0.0.1", port, 1, False, timedelta(seconds=10))
+    worker.set("k", "v")
+    assert master.get("k") == b"v"
+    listening = [c.laddr for c in psutil.Process(os.getpid()).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert [addr.ip for addr in listening] == ["127.0.0.1"]  # torch's own store would listen on every interface

@@ -25,7 +25,7 @@ from tether.faults import engine_fault
 from tether.engine.protocol import AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn, UpdateWeightsIn
 from tether.http_client import async_client, pool_limits
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
-from tether.weight_sync.distributed import JoinBusy, JoinFailed
+from tether.weight_sync.distributed import JoinError
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id
 
@@ -219,10 +219,8 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
     def init_group(body: InitGroupIn) -> dict:
         try:
             backend.join_weight_group(body)
-        except JoinBusy as err:
-            raise HTTPException(status_code=409, detail=str(err)) from None
-        except JoinFailed as err:
-            raise HTTPException(status_code=504, detail=str(err)) from None
+        except JoinError as err:
+            raise HTTPException(status_code=err.status, detail=str(err)) from None
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")

@@ -32,7 +32,7 @@ from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 from tether.weight_sync import ObjectStoreSender, WeightSender
-from tether.weight_sync.distributed import DistributedSender
+from tether.weight_sync.distributed import DistributedSender, tcp_store
 
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
@@ -82,8 +82,9 @@ class TrainActor:
         backend = "cpu:gloo,cuda:nccl" if self.device == "cuda" else "gloo"
         if self.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=self.cfg.cluster.collective_timeout_s))
+        timeout = timedelta(seconds=self.cfg.cluster.collective_timeout_s)
+        store = tcp_store(master_addr, master_port, self.world, self.rank == 0, timeout)  # on master_addr only
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         self.mesh = init_device_mesh(self.device, (self.world,))
 
     def init(self, total_steps: int, with_ref: bool, load_dir: str | None) -> None:

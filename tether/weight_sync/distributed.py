@@ -27,10 +27,20 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> TCPStore:
+    """A TCPStore whose master listens on ``host`` only: torch's own listens on every interface, where
+    anyone who reaches the port could join the group. The master gets a socket bound here, and owns it."""
+    if not is_master:
+        return TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                              backlog=1024) as server:
+        return TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=server.detach())
+
+
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float):
     """A standalone process group (not the default one): returns the backend object to broadcast on."""
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
+    store = tcp_store(master_address, master_port, world_size, rank == 0, timeout)
     if backend == "nccl":
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
     if backend != "gloo":
@@ -38,12 +48,22 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-class JoinBusy(RuntimeError):
+class JoinError(RuntimeError):
+    """A refused /init_weights_update_group; ``status`` is the HTTP status servers answer with."""
+
+    status = 500
+
+
+class JoinBusy(JoinError):
     """Another join of this server is still waiting for its group."""
 
+    status = 409  # Conflict: try again once the other join is done
 
-class JoinFailed(RuntimeError):
+
+class JoinFailed(JoinError):
     """The rendezvous did not form (nobody at the address, or not every member came in time)."""
+
+    status = 504  # the members the server waited for did not come
 
 
 class GroupJoiner:
