@@ -15,6 +15,7 @@ parallel regions, which costs a decode step ~20% on a 2-core CPU.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import time
@@ -239,6 +240,7 @@ class EngineCore:
         if self.engine.weights_changed != self._cached_weights:  # cached KV is of the old weights
             self._flush_prefix_cache()
             self._cached_weights = self.engine.weights_changed
+            trim_heap()  # once per weight update: the last rollout's batches are freed by now
         self.batcher.weight_version = self.engine.weight_version
         if new and (self.engine.released or self.engine.pending_weights):
             self._fail(new, EngineError(
@@ -307,3 +309,21 @@ def start_engine_core(make_engine: Callable[[], EmbeddedEngine], **core_kwargs: 
     engine = built.result()
     return EngineCore(engine, engine.tokenizer, **core_kwargs)
 
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the C allocator's free pages back to the system. Batches of every size come and go in an
+    engine (KV caches, logits); glibc keeps what they freed, so without this an engine's resident
+    memory creeps up over a long run (bench/soak.py)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
