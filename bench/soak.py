@@ -1,6 +1,6 @@
 """Soak: a long run of the quickstart recipe, watching every process's memory and the run's disk use.
 
-    python bench/soak.py                  # 200 rollouts (~15 min on 2 cores), then the table and plot
+    python bench/soak.py                  # 200 rollouts (~2 min on 2 cores), then the table and plot
     python bench/soak.py --rollouts 60    # shorter
     python bench/soak.py --show           # the table of the last soak, without running
 

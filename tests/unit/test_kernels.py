@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tether.engine.kernels import PackedLinear, drop_packed, onednn_available, pack_linears
+from tether.engine.kernels import PackedLinear, drop_packed, onednn_available, pack_linears, row_bucket
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -22,8 +22,20 @@ def test_packed_linear_equals_linear(dtype, tol, bias):
     assert pack_linears(packed) == 1 and isinstance(packed, PackedLinear)
     x = torch.randn(3, 5, 64, dtype=dtype)
     with torch.no_grad():
-        for inputs in (x, x[:, ::2], x.reshape(15, 64)):  # 3-D, strided and 2-D inputs
+        # 3-D, strided and 2-D inputs; 15 and 9 rows run as they are, 17 and 51 padded to 18 and 52
+        for inputs in (x, x[:, ::2], x.reshape(15, 64), torch.randn(17, 64, dtype=dtype),
+                       torch.randn(3, 17, 64, dtype=dtype)):
             assert torch.allclose(packed(inputs).float(), plain(inputs).float(), atol=tol, rtol=tol)
+
+
+def test_row_buckets_are_few_and_pad_at_most_an_eighth():
+    """The shapes oneDNN builds kernels for (and caches) stay few however the batch varies."""
+    rows = range(1, 65537)
+    buckets = {row_bucket(n) for n in rows}
+    assert len(buckets) <= 16 + 8 * 12
+    assert all(n <= row_bucket(n) <= n * 9 / 8 for n in rows)
+    assert [row_bucket(n) for n in (1, 16, 17, 100, 1000, 1024)] == [1, 16, 18, 104, 1024, 1024]
+    assert all(row_bucket(b) == b for b in buckets)  # a bucket is its own bucket
 
 
 def test_weight_update_in_place_is_repacked():

@@ -12,6 +12,13 @@ copies into the parameter in place (bumping its version), so the next forward re
 nothing else in the engine needs to know. Inference only: with autograd on, the layer is a plain
 ``nn.Linear``. The results are fp32 to rounding (different summation order than MKL), so the
 engine's log-probs still match the trainer's recomputation to ~5e-7 (tested under 1e-6).
+
+oneDNN builds a kernel per input shape and keeps it (two caches, ideep's and oneDNN's, 1024 entries
+each, about 0.25 MB per entry). An engine's row counts change every step (the running batch shrinks,
+prefills of any length come in), so the caches filled for hundreds of rollouts: the soak's engine grew
+by 100 MB after warm-up. Rows are therefore padded up to a bucket (``row_bucket``: exact up to 16,
+then 8 buckets per doubling, at most 1/8 padding), which bounds the shapes to about a hundred per
+layer size; they are all met in the first few rollouts, and throughput is unchanged (bench/engine.py).
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def onednn_available() -> bool:
     """oneDNN's packed linear is in this torch build (x86 and most ARM CPU builds have it)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a packed linear runs at: ``rows`` up to 16, then rounded up to a multiple of an
+    eighth of the largest power of two below it (17 -> 18, 100 -> 104, 1000 -> 1024)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 class PackedLinear(nn.Linear):
@@ -43,7 +59,14 @@ class PackedLinear(nn.Linear):
         if self._packed_key != key:  # a new weight version: pack it once
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self._packed_key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1]
+        padded = row_bucket(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        flat = x.reshape(rows, x.shape[-1])
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])  # rows of zeros: dropped below
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
     def drop_packed(self) -> None:
         self._packed = self._packed_key = None
