@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 from tether.engine.actor import EngineActor  # noqa: E402
 from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tether.trainer.model import full_tensors  # noqa: E402
-from tether.weight_sync.distributed import DistributedSender, free_port, join_group  # noqa: E402
+from tether.weight_sync.distributed import DistributedSender, free_port  # noqa: E402
+from tether.weight_sync.group import join_group  # noqa: E402
 from tether.weight_sync.object_store import ObjectStoreSender  # noqa: E402
 
 MODELS = {  # name: Qwen2 shape
@@ -95,7 +96,7 @@ class GlooPeer:
         torch.set_num_threads(threads)
 
     def run(self, port: int, rank: int, sizes: list[int], repeats: int) -> float:
-        group = join_group("127.0.0.1", port, rank, 2, "gloo", TIMEOUT_S)
+        group = join_group("127.0.0.1", port, rank, 2, "gloo", TIMEOUT_S, "bench")
         tensors = [torch.full((n,), rank, dtype=torch.uint8) for n in sizes]
         times = []
         for _ in range(repeats + 1):

@@ -37,3 +37,19 @@ def test_arithmetic_recipe_learns_with_vllm_engines(arithmetic_sft):
     assert all(r["mismatch/share_over_0.1"] == 0 for r in trained)
     logs = list((out / "grpo_vllm" / "engine_logs").glob("vllm_*.log"))
     assert logs and "Application startup complete" in logs[0].read_text()
+
+
+def test_vllm_workers_take_weights_over_the_broadcast_group(arithmetic_sft):
+    """cluster.weight_sync: distributed with vLLM engines: each vLLM worker joins the trainer's group
+    and loads every broadcast bucket itself (tied embedding included); the engine's log-probs equal
+    the trainer's every rollout, so each push landed."""
+    out = arithmetic_sft
+    python = vllm_python_or_skip()
+    run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm_group",
+        f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", "eval.interval=null",
+        "rollout.engine=vllm", f"vllm.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
+        "checkpoint.save_interval=null", "tracking.tensorboard=false")
+    rows = [json.loads(line) for line in (out / "grpo_vllm_group" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "mismatch/logprob_abs_diff_max" in r]
+    assert len(trained) == 4 and all(r["weight_sync/broadcast_seconds"] > 0 for r in trained)
+    assert max(r["mismatch/logprob_abs_diff_max"] for r in trained) < 1e-3, [r["mismatch/logprob_abs_diff_max"] for r in trained]

@@ -7,6 +7,9 @@ else the Python running the tests if it can import sglang. The model is a tiny Q
     contract     the engine contract suite's generate/health/abort/pause/flush tests, against SGLang
     weights      buckets through the actor (the trainer's shared-memory segment and the object store)
                  change the replies and the reported version; restored after
+    group        the distributed transport over NCCL: SGLang's /init_weights_update_group joins the
+                 group tether's sender builds (SGLang's own construction, weight_sync/group.py), and
+                 /update_weights_from_distributed takes the buckets
     memory       release/resume by tag, then a full push brings the weights back
     mismatch     a short sampled rollout: SGLang's log-probs against an HF forward, mean |diff| < 0.05
 
@@ -17,10 +20,6 @@ same checks go through the actor, which is how the trainer reaches an SGLang eng
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -29,36 +28,16 @@ import torch
 from safetensors.torch import load_file
 
 import tests.integration.test_engine_contract as contract
+from tests.gpu.conftest import GREEDY, push_over_nccl_and_back, rollout_logprob_diffs, server_python_or_skip
 from tether.engine.sglang import SglangEngineActor
-from tether.tiny import build_char_tokenizer, build_tiny_model
 from tether.weight_sync.object_store import pack_bucket
 from tether.weight_sync.shared_memory import StagingSegment
 
 pytestmark = [pytest.mark.gpu]
 
-GREEDY = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
-
-
-def sglang_python_or_skip() -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    python = os.environ.get("TETHER_SGLANG_PYTHON") or sys.executable
-    found = subprocess.run([python, "-c", "import sglang"], capture_output=True, timeout=300)
-    if found.returncode != 0:
-        pytest.skip(f"{python} cannot import sglang (set TETHER_SGLANG_PYTHON to an environment that has it)")
-    return python
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sglang_model")
-    return build_tiny_model(out, build_char_tokenizer(chat_template=True), hidden_size=128, num_layers=2, num_heads=4,
-                            num_kv_heads=2, intermediate_size=256, max_positions=4096, seed=0)
-
-
 @pytest.fixture(scope="module")
 def actor(model_dir) -> Iterator[SglangEngineActor]:
-    python = sglang_python_or_skip()
+    python = server_python_or_skip("sglang", "TETHER_SGLANG_PYTHON")
     cfg = {"python": python, "mem_fraction_static": 0.2, "startup_timeout_s": 600,
            # head size 32: the Triton attention kernels take it; no CUDA graphs for a fast start
            "extra_args": ["--attention-backend", "triton", "--disable-cuda-graph", "--context-length", "4096"]}
@@ -124,6 +103,12 @@ def test_a_weight_update_through_the_actor_changes_replies_and_the_version(actor
     assert contract.tokens_of(contract.generate(http, [[5, 6, 7]], GREEDY)[0]) == before
 
 
+def test_a_push_over_an_nccl_group_joined_by_sglang(actor, http, state):
+    version = actor.weight_version
+    push_over_nccl_and_back(http, actor.url(), state, version)
+    actor.weight_version = version + 2  # the pushes went around the actor
+
+
 def test_memory_release_and_resume_by_tag_then_a_full_push(actor, http, state):
     before = contract.tokens_of(contract.generate(http, [[5, 6]], GREEDY)[0])
     for tags in (["kv_cache"], ["weights", "kv_cache"]):
@@ -161,15 +146,6 @@ def test_a_pushed_tied_embedding_reaches_the_output_layer(actor, http, state, mo
 
 
 def test_a_short_rollout_matches_an_hf_forward(http, state, model_dir):
-    """Sampled responses to 8 prompts: SGLang's (bfloat16) log-probs of its own tokens against a float32
-    HF forward of the same weights, the trainer/engine mismatch tether reports (mismatch/*)."""
-    prompts = [[5 + i, 6 + i, 7 + 2 * i] for i in range(8)]
-    params = [{"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True} for _ in prompts]
-    outs = contract.generate(http, prompts, params, rids=[f"mm-{i}" for i in range(8)])
-    diffs = []
-    for prompt, out in zip(prompts, outs):
-        engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert len(engine) == len(out["output_ids"]) == 16
-        reference = contract.hf_logprobs(model_dir, state, prompt, out["output_ids"])
-        diffs += [abs(a - b) for a, b in zip(engine, reference)]
+    """SGLang (bfloat16) against a float32 HF forward of the same weights."""
+    diffs = rollout_logprob_diffs(http, state, model_dir)
     assert sum(diffs) / len(diffs) < 0.05, f"mean |logprob diff| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.4f}"

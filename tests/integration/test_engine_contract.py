@@ -13,15 +13,18 @@ embedded engine is the first backend; others add a factory to BACKENDS.
     pause       /pause_generation holds running requests, /continue_generation resumes them
     memory      /release_memory_occupation and /resume_memory_occupation by tag
     weights     /update_weights_from_tensor with a weight_version: replies change, /get_model_info
-                reports the version
+                reports the version; the same over a broadcast group (/init_weights_update_group,
+                /update_weights_from_distributed), joined again by a new sender
     cache       /flush_cache
 """
 
 from __future__ import annotations
 
 import base64
+import multiprocessing
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterator
 
 import httpx
@@ -220,6 +223,41 @@ def test_a_weight_update_changes_replies_and_the_reported_version(http, backend)
         assert tokens_of(after) != before and after["meta_info"]["weight_version"] == version + 1
     finally:
         push(http, {head: original[head]}, version + 2)
+    assert tokens_of(generate(http, [[5, 6, 7]], params)[0]) == before
+
+
+def send_over_a_group(url: str, tensors: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+                      backend: str = "gloo", device: str = "cpu") -> dict:
+    """The trainer's rank 0 of the distributed transport, in a process of its own (as in a run: a
+    process holds one member of a group)."""
+    from tether.weight_sync.distributed import DistributedSender
+
+    torch.set_num_threads(1)
+    sender = DistributedSender([url], "127.0.0.1", backend=backend, bucket_bytes=bucket_bytes, timeout_s=60,
+                               device=device)
+    try:
+        return sender.send(iter(tensors), version)
+    finally:
+        sender.close()
+
+
+def test_a_push_over_the_weight_update_group_changes_replies(http, backend):
+    """The distributed transport (gloo): the engine joins the sender's group and receives several
+    buckets; a second sender (as after an engine replacement) builds a new group it joins again."""
+    original = {k: v.clone() for k, v in backend[1]().items()}
+    params = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
+    before = tokens_of(generate(http, [[5, 6, 7]], params)[0])
+    version = http.get("/get_model_info").json()["weight_version"]
+    head = "model.norm.weight"
+    changed = [(n, -t if n == head else t) for n, t in original.items() if n != "lm_head.weight"]
+    url = str(http.base_url).rstrip("/")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as trainer:
+        metrics = trainer.submit(send_over_a_group, url, changed, version + 1, 64 * 1024).result(timeout=120)
+        assert metrics["weight_sync/buckets"] > 1
+        after = generate(http, [[5, 6, 7]], params)[0]
+        assert tokens_of(after) != before and after["meta_info"]["weight_version"] == version + 1
+        trainer.submit(send_over_a_group, url, [(head, original[head])], version + 2, 2**20).result(timeout=120)
+    assert http.get("/get_model_info").json()["weight_version"] == version + 2
     assert tokens_of(generate(http, [[5, 6, 7]], params)[0]) == before
 
 

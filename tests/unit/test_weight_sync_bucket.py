@@ -136,7 +136,8 @@ def test_a_store_master_listens_on_its_address_only():
 
     import psutil
 
-    from tether.weight_sync.distributed import free_port, tcp_store
+    from tether.weight_sync.distributed import free_port
+    from tether.weight_sync.group import tcp_store
 
     port = free_port()
     master = tcp_store("127.0.0.1", port, 1, True, timedelta(seconds=10))

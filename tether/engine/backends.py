@@ -63,6 +63,11 @@ def startup_timeout_s(cfg: TetherConfig) -> float:
     return max(cfg.cluster.call_timeout_s, own)
 
 
+def engine_ranks(cfg: TetherConfig) -> int:
+    """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
+    return {"vllm": cfg.vllm.tensor_parallel_size, "sglang": cfg.sglang.tp_size}.get(cfg.rollout.engine, 1)
+
+
 def placed_engines(cfg: TetherConfig) -> int:
     """Engines that need placement-group bundles: none when they are rollout.external_engines."""
     return 0 if cfg.rollout.external_engines else cfg.cluster.num_engines

@@ -31,7 +31,7 @@ from tether.engine.protocol import (
 )
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http_server import ThreadedServer
-from tether.weight_sync.distributed import DTYPES, GroupJoiner, JoinError, Receiver
+from tether.weight_sync.group import DTYPES, GroupJoiner, JoinError, Receiver
 
 MAX_CONCURRENT_REQUESTS = 512
 
@@ -170,9 +170,13 @@ def _add_distributed_routes(app: FastAPI, core: EngineCore, join_timeout_s: floa
     def init_group(body: InitGroupIn) -> dict:
         # Blocks until every member (the trainer's rank 0 and all engines) has joined.
         try:
-            group = joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
+            group = joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                                body.backend, body.group_name)
         except JoinError as err:
             raise HTTPException(status_code=err.status, detail=str(err)) from None
+        for old in groups.values():  # a trainer that sets the transport up again does it for everyone
+            old.close()
+        groups.clear()
         groups[body.group_name] = Receiver(group, core.engine.device)
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 

@@ -31,10 +31,10 @@ time sits there and no pickle goes on the wire. ``commit_weights`` then labels t
 effect: SGLang records that directory as its model path (/get_model_info's model_path and the served
 model name change after the first push; tether reads neither).
 
-The distributed transport is SGLang's own API, but weight_sync/distributed.py has not been run
-against a real SGLang here: SGLang joins through a tcp:// rendezvous wrapped in PrefixStore(group_name)
-and types weight_version as a string, where the sender builds its group on a bare TCPStore and sends
-an int.
+The distributed transport is SGLang's own API: the trainer builds the group as SGLang does (a TCP
+rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``; weight_sync/group.py)
+and sends weight_version as a string. That has been run here with tether's own engines standing in,
+not against a real SGLang server (tests/gpu).
 """
 
 from __future__ import annotations

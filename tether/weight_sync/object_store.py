@@ -81,6 +81,11 @@ class ObjectStoreSender(WeightSender):
                 return None
         return self._segment.write(slot, bucket, overlapped=bool(pending))
 
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         start = time.perf_counter()
         stage_s = wait_s = 0.0

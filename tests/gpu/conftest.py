@@ -1,0 +1,71 @@
+"""What the GPU tests share: the server's Python (its own environment, or this one) and the tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tether.tiny import build_char_tokenizer, build_tiny_model
+
+GREEDY = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
+
+
+def server_python_or_skip(package: str, env_var: str) -> str:
+    """``env_var``'s Python (a virtual environment with ``package``), else this one if it can import it;
+    the test is skipped, saying why, without a CUDA GPU or the package."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    python = os.environ.get(env_var) or sys.executable
+    found = subprocess.run([python, "-c", f"import {package}"], capture_output=True, timeout=300)
+    if found.returncode != 0:
+        pytest.skip(f"{python} cannot import {package} (set {env_var} to an environment that has it)")
+    return python
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (hidden 128, 4 heads of 32: the Triton attention kernels take it)."""
+    out = tmp_path_factory.mktemp("gpu_model")
+    return build_tiny_model(out, build_char_tokenizer(chat_template=True), hidden_size=128, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=256, max_positions=4096, seed=0)
+
+
+def rollout_logprob_diffs(http, state: dict[str, torch.Tensor], model_dir: Path) -> list[float]:
+    """Sampled responses to 8 prompts: |engine log-prob - float32 HF forward log-prob| of every token
+    (the trainer/engine mismatch tether reports as mismatch/*)."""
+    import tests.integration.test_engine_contract as contract
+
+    prompts = [[5 + i, 6 + i, 7 + 2 * i] for i in range(8)]
+    params = [{"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True} for _ in prompts]
+    outs = contract.generate(http, prompts, params, rids=[f"mm-{i}" for i in range(8)])
+    diffs = []
+    for prompt, out in zip(prompts, outs):
+        engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert len(engine) == len(out["output_ids"]) == 16
+        reference = contract.hf_logprobs(model_dir, state, prompt, out["output_ids"])
+        diffs += [abs(a - b) for a, b in zip(engine, reference)]
+    return diffs
+
+
+def push_over_nccl_and_back(http, url: str, state: dict[str, torch.Tensor], version: int) -> None:
+    """The trainer's rank 0 (a process of its own, on this GPU) broadcasts the weights with the final
+    norm negated over an NCCL group the engine joins: the greedy tokens change; the norm goes back."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import tests.integration.test_engine_contract as contract
+
+    before = contract.tokens_of(contract.generate(http, [[5, 6, 7]], GREEDY)[0])
+    norm = "model.norm.weight"
+    changed = [(n, -t if n == norm else t) for n, t in state.items() if n != "lm_head.weight"]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as trainer:
+        trainer.submit(contract.send_over_a_group, url, changed, version + 1, 64 * 1024, "nccl", "cuda").result(timeout=300)
+        after = contract.generate(http, [[5, 6, 7]], GREEDY)[0]
+        assert contract.tokens_of(after) != before and int(after["meta_info"]["weight_version"]) == version + 1
+        trainer.submit(contract.send_over_a_group, url, [(norm, state[norm])], version + 2, 2**20, "nccl", "cuda").result(timeout=300)
+    assert contract.tokens_of(contract.generate(http, [[5, 6, 7]], GREEDY)[0]) == before
