@@ -186,24 +186,28 @@ class TrainActor:
     def push_weights(self, version: int) -> dict[str, float]:
         """Gather full weights (collective) and stream them from rank 0 to every engine."""
         self.policy_version = version
-        tensors = ((name, t.to("cpu")) for name, t in full_tensors(self.model))
-        if self.rank == 0:
-            if not self.engine_urls:
-                raise RuntimeError("push_weights before connect_engines")
-            if self.sender is None:  # an engine was replaced: the transport is set up again for all
-                self.sender = self._sender(self.engines, self.engine_urls)
-            return self.sender.send(tensors, version)
-        for _ in tensors:  # other ranks take part in each gather
-            pass
-        return {}
+        if self.rank != 0:
+            for _ in full_tensors(self.model):  # other ranks take part in each gather
+                pass
+            return {}
+        if not self.engine_urls:
+            raise RuntimeError("push_weights before connect_engines")
+        if self.sender is None:  # an engine was replaced: the transport is set up again for all
+            self.sender = self._sender(self.engines, self.engine_urls)
+        return self.sender.send(self._full_tensors_for(self.sender), version)
+
+    def _full_tensors_for(self, sender: WeightSender):
+        """The gathered tensors where the transport takes them: the object store from host memory, a
+        broadcast from the device it runs on (NCCL: the GPU, so no trip through the host)."""
+        device = sender.device
+        return ((name, t.to(device)) for name, t in full_tensors(self.model))
 
     def replace_engine(self, index: int, engine: Any, url: str) -> dict[str, float]:
         """A new engine takes engine ``index``'s place: it gets the current weights (as version
         ``policy_version``) through a transport of its own, now, while the others generate; the
         next push sets the transport up again for every engine."""
-        tensors = ((name, t.to("cpu")) for name, t in full_tensors(self.model))
         if self.rank != 0:
-            for _ in tensors:  # other ranks take part in each gather
+            for _ in full_tensors(self.model):  # other ranks take part in each gather
                 pass
             return {}
         self.engines[index], self.engine_urls[index] = engine, url
@@ -212,7 +216,7 @@ class TrainActor:
             self.sender = None
         one_off = self._sender([engine], [url])
         try:
-            return one_off.send(tensors, self.policy_version)
+            return one_off.send(self._full_tensors_for(one_off), self.policy_version)
         finally:
             one_off.close()
 

@@ -54,6 +54,9 @@ def copy_threads(overlapped: bool):
 class WeightSender(ABC):
     """Trainer side of a transport: streams (name, full tensor) pairs to every engine."""
 
+    device: str = "cpu"
+    """Where ``send`` wants the tensors (the trainer gathers them there)."""
+
     @abstractmethod
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Deliver all tensors, then tell the engines the new weight version. Returns timing metrics."""
