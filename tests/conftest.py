@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -120,3 +121,23 @@ def tiny_config(model_dir: Path, data: dict[str, Path], out: Path, **sections) -
         else:
             cfg[section] = values
     return cfg
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, **core_kwargs):
+    """An embedded engine's HTTP server on ``model_dir`` in this process (one torch thread while it runs)."""
+    import torch
+
+    from tether.engine.core import EngineCore
+    from tether.engine.embedded import EmbeddedEngine
+    from tether.engine.server import EngineServer
+    from tether.hf import load_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = EngineServer(EngineCore(EmbeddedEngine(str(model_dir)), load_tokenizer(str(model_dir)), **core_kwargs)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        torch.set_num_threads(threads)

@@ -46,7 +46,8 @@ def test_vllm_workers_take_weights_over_the_broadcast_group(arithmetic_sft):
     out = arithmetic_sft
     python = vllm_python_or_skip()
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm_group",
-        f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", "eval.interval=null",
+        f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", f"eval.datasets.0.path={out}/data/eval.jsonl",
+        "eval.interval=null",
         "rollout.engine=vllm", f"vllm.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
         "checkpoint.save_interval=null", "tracking.tensorboard=false")
     rows = [json.loads(line) for line in (out / "grpo_vllm_group" / "metrics.jsonl").read_text().splitlines()]

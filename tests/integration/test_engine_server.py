@@ -17,21 +17,16 @@ from tether.engine.server import EngineServer
 from tether.router import NoHealthyWorker, Router
 from tether.hf import load_tokenizer
 
+from tests.conftest import engine_server
+
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = EmbeddedEngine(str(tiny_model_dir))
     # A small KV budget so that the budget test can overfill it.
-    core = EngineCore(engine, load_tokenizer(str(tiny_model_dir)), max_batch=64, max_batch_tokens=400,
-                      prefix_cache_tokens=256)
-    srv = EngineServer(core).start()
-    yield srv
-    srv.stop()
-    torch.set_num_threads(threads)
+    with engine_server(tiny_model_dir, max_batch=64, max_batch_tokens=400, prefix_cache_tokens=256) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -45,6 +45,10 @@ class Request:
     rid: str
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.monotonic)
+    on_tokens: Callable[[list[int], list[float]], None] | None = None
+    """Streaming: called on the worker thread after each step with the tokens (and log-probs) the
+    request gained in it, while it runs; the finished output still comes through ``future``."""
+    streamed: int = 0  # tokens already handed to on_tokens
 
     @property
     def kv_tokens(self) -> int:
@@ -83,13 +87,17 @@ class EngineCore:
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
         return self.submit_many([(input_ids, params, rid)])[0]
 
-    def submit_many(self, items: list[tuple[list[int], SamplingParams, str | None]]) -> list[Request]:
-        """Queue several requests at once: they are admitted together (one prefill), in order."""
+    def submit_many(self, items: list[tuple[list[int], SamplingParams, str | None]],
+                    on_tokens: Callable[[list[int], list[float]], None] | None = None) -> list[Request]:
+        """Queue several requests at once: they are admitted together (one prefill), in order.
+        ``on_tokens``: stream the tokens of a single request as they come (Request.on_tokens)."""
+        if on_tokens is not None and len(items) != 1:
+            raise ValueError(f"streaming takes one request at a time, got {len(items)}")
         reqs = []
         for input_ids, params, rid in items:
             if not input_ids:
                 raise ValueError("input_ids is empty: generation needs at least one prompt token")
-            req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}")
+            req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}", on_tokens=on_tokens)
             bad = next((i for i, t in enumerate(req.input_ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"request {req.rid}: input_ids[{bad}] = {req.input_ids[bad]} is outside the "
@@ -260,7 +268,18 @@ class EngineCore:
             return
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self.batcher.batch) + len(finished))
         self.stats["prefills"] += 1 if new else 0
+        self._stream(self.batcher.batch.seqs)
         self._resolve(finished)
+
+    @staticmethod
+    def _stream(running: list) -> None:
+        """Hand streaming requests the tokens this step gave them (finished ones get their whole
+        output through the future instead, stop strings trimmed)."""
+        for seq in running:
+            req: Request = seq.key
+            if req.on_tokens is not None and len(seq.output_ids) > req.streamed:
+                start, req.streamed = req.streamed, len(seq.output_ids)
+                req.on_tokens(seq.output_ids[start:], seq.output_logprobs[start:])
 
     def _next_work(self) -> tuple[list[tuple[Callable[[], Any], Future]], bool]:
         """Block until there is model work: (queued calls, whether to run a step); ([], False) to stop."""

@@ -62,7 +62,7 @@ class GenerateIn(Strict):
     def _one_input(self) -> GenerateIn:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
-        unsupported = [name for name in ("stream", "return_hidden_states", "return_entropy", "return_bytes",
+        unsupported = [name for name in ("return_hidden_states", "return_entropy", "return_bytes",
                                          "background") if getattr(self, name)]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}=true is not supported by this engine")
@@ -150,6 +150,8 @@ class CompletionIn(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
     logprobs: int | None = None
 
 
@@ -165,4 +167,6 @@ class ChatIn(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
     logprobs: bool = False

@@ -5,8 +5,9 @@
     /update_weights_from_tensor  /get_model_info  /get_load
     /v1/models  /v1/completions  /v1/chat/completions
 
-Loopback by default. Handlers are plain (sync) FastAPI functions: each runs in the server's thread
-pool and waits on its request's future, so concurrent clients batch together in the engine core.
+Loopback by default. Each request waits on its future in the server's thread pool (sync routes, or
+anyio's threads for the async ones), so concurrent clients batch together in the engine core.
+``"stream": true`` answers with server-sent events instead (streaming.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
 from tether.faults import engine_fault
+from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, response,
@@ -74,9 +76,7 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
     def decode(ids: list[int], skip: bool = True) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip)
 
-    @app.post("/generate")
-    def generate(body: GenerateIn) -> Any:
-        engine_fault()
+    def generate_all(body: GenerateIn) -> Any:
         prompts = body.prompts(tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))
@@ -87,6 +87,25 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
         out = [response(o, req.rid, len(req.input_ids), _text(o, decode, sp), body.return_logprob, version)
                for (req, o), sp in zip(results, params)]
         return out if body.is_batch else out[0]
+
+    async def submit_stream(prompt: list[int], sp: SamplingParamsIn, rid: str | None):
+        try:
+            return await token_steps(core, prompt, sp.to_params(), rid, request_timeout_s)
+        except (ValueError, RequestTooLarge) as err:
+            raise _bad_request(err) from None
+
+    @app.post("/generate")
+    async def generate(body: GenerateIn) -> Any:
+        engine_fault()
+        if not body.stream:  # the engine core's future is waited on in a thread, as for sync routes
+            return await anyio.to_thread.run_sync(generate_all, body)
+        if body.is_batch:
+            raise _bad_request(ValueError("stream: true takes one prompt, not a batch"))
+        (params,), (rid,) = body.per_prompt(1)
+        req, steps = await submit_stream(body.prompts(tokenizer)[0], params, rid)
+        return sse(sglang_events(req, steps, lambda o: _text(o, decode, params), response,
+                                 lambda ids: decode(ids, params.skip_special_tokens), body.return_logprob,
+                                 lambda: core.engine.weight_version), request_timeout_s)
 
     @app.get("/health")
     def health() -> dict:
@@ -158,7 +177,7 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
             raise _bad_request(err) from None
 
     _add_distributed_routes(app, core, limits.join_timeout_s)
-    _add_openai_routes(app, core, run, decode, model_name)
+    _add_openai_routes(app, core, run, decode, model_name, submit_stream, request_timeout_s)
     return app
 
 
@@ -224,7 +243,8 @@ def _tags(body: TagsIn) -> list[str]:
     return tags
 
 
-def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: str) -> None:
+def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: str, submit_stream,
+                       timeout_s: float) -> None:
     tokenizer = core.tokenizer
 
     def sampling(max_tokens: int, temperature: float, top_p: float, stop, seed) -> SamplingParamsIn:
@@ -235,38 +255,55 @@ def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: 
         return {"prompt_tokens": len(req.input_ids), "completion_tokens": len(out.output_ids),
                 "total_tokens": len(req.input_ids) + len(out.output_ids)}
 
+    async def stream(ids: list[int], sp: SamplingParamsIn, head: dict, chat: bool, body) -> Any:
+        req, steps = await submit_stream(ids, sp, None)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return sse(openai_events(req, steps, lambda o: _text(o, decode, sp), decode, head, chat, include_usage,
+                                 _openai_finish), timeout_s)
+
     @app.get("/v1/models")
     def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "tether"}]}
 
-    @app.post("/v1/completions")
-    def completions(body: CompletionIn) -> dict:
-        ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special_tokens=False)
-        sp = sampling(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
+    def complete(body: CompletionIn, ids: list[int], sp: SamplingParamsIn, head: dict) -> dict:
         (req, out), = run([ids], [sp], [None])
         choice = {"index": 0, "text": _text(out, decode, sp), "finish_reason": _openai_finish(out)}
         if body.logprobs is not None:
             choice["logprobs"] = {"tokens": [decode([t], False) for t in out.output_ids],
                                   "token_logprobs": out.output_logprobs}
-        return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": usage(req, out)}
+        return {**head, "choices": [choice], "usage": usage(req, out)}
 
-    @app.post("/v1/chat/completions")
-    def chat(body: ChatIn) -> dict:
-        if not getattr(tokenizer, "chat_template", None):
-            raise _bad_request(ValueError("the model's tokenizer has no chat template"))
-        text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        sp = sampling(body.max_completion_tokens or body.max_tokens or 128, body.temperature, body.top_p,
-                      body.stop, body.seed)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionIn) -> Any:
+        ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special_tokens=False)
+        sp = sampling(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name}
+        if body.stream:
+            return await stream(ids, sp, head, False, body)
+        return await anyio.to_thread.run_sync(complete, body, ids, sp, head)
+
+    def chat_reply(body: ChatIn, ids: list[int], sp: SamplingParamsIn, head: dict) -> dict:
         (req, out), = run([ids], [sp], [None])
         choice = {"index": 0, "message": {"role": "assistant", "content": _text(out, decode, sp)},
                   "finish_reason": _openai_finish(out)}
         if body.logprobs:
             choice["logprobs"] = {"content": [{"token": decode([t], False), "logprob": lp}
                                               for t, lp in zip(out.output_ids, out.output_logprobs)]}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": usage(req, out)}
+        return {**head, "choices": [choice], "usage": usage(req, out)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatIn) -> Any:
+        if not getattr(tokenizer, "chat_template", None):
+            raise _bad_request(ValueError("the model's tokenizer has no chat template"))
+        text = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        sp = sampling(body.max_completion_tokens or body.max_tokens or 128, body.temperature, body.top_p,
+                      body.stop, body.seed)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            return await stream(ids, sp, {**head, "object": "chat.completion.chunk"}, True, body)
+        return await anyio.to_thread.run_sync(chat_reply, body, ids, sp, {**head, "object": "chat.completion"})
 
 
 def _openai_finish(out) -> str:

@@ -114,6 +114,9 @@ def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_ti
     @app.post("/generate")
     async def generate(body: GenerateIn) -> Any:
         engine_fault()
+        if body.stream:
+            raise HTTPException(status_code=400, detail="stream: true is not supported by the vLLM backend's "
+                                                        "/generate (vLLM's own /v1 routes stream)")
         prompts = body.prompts(tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
 
+from tether.engine.streaming import chat_reply_events
 from tether.http_guard import ServerLimits, guard
 from tether.http_server import ThreadedServer
 from tether.rollout.chat_session import ChatRequestError, ChatSession, SessionAborted
@@ -59,7 +62,7 @@ class ChatServer(ThreadedServer):
             return {"object": "list", "data": [{"id": "tether", "object": "model", "owned_by": "tether"}]}
 
         @app.post("/sessions/{session_id}/v1/chat/completions")
-        async def chat(session_id: str, request: Request) -> dict:
+        async def chat(session_id: str, request: Request) -> Any:
             session = self._session(session_id)
             try:
                 body = await request.json()
@@ -67,16 +70,18 @@ class ChatServer(ThreadedServer):
                 raise HTTPException(status_code=400, detail=f"request body is not JSON: {err}") from None
             if not isinstance(body, dict):
                 raise HTTPException(status_code=400, detail="request body must be a JSON object")
-            if body.get("stream"):
-                raise HTTPException(status_code=400, detail="stream: true is not supported by chat sessions")
             try:
                 # The turn runs on the rollout's loop: its HTTP client, seeds and aborts live there.
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.complete(body), session.loop))
+                reply = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.complete(body), session.loop))
             except ChatRequestError as err:
                 raise HTTPException(status_code=400, detail=str(err)) from None
             except SessionAborted as err:  # 410: OpenAI clients do not retry it
                 raise HTTPException(status_code=410, detail=str(err)) from None
             except Exception as err:  # the session keeps the error and raises it in the generate function
                 raise HTTPException(status_code=500, detail=f"{type(err).__name__}: {err}") from None
+            if body.get("stream"):  # the turn is recorded whole; a streaming client gets it as chunks
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(iter(chat_reply_events(reply, include_usage)), media_type="text/event-stream")
+            return reply
 
         return app
