@@ -74,6 +74,7 @@ class EngineCore:
         self._running: dict[str, Request] = {}  # admitted, in the running batch
         self._reserved = 0  # KV tokens promised to running requests (prompt + max_new_tokens each)
         self._aborted: set[str] = set()
+        self._streams: set[str] = set()  # rids of streaming requests not finished yet
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # model work from other threads
         self._cond = threading.Condition()
         self._paused = False
@@ -107,6 +108,10 @@ class EngineCore:
                                       f"+ max_new_tokens {params.max_new_tokens}) > engine budget {self.max_batch_tokens}")
             self._check_params(req)
             reqs.append(req)
+        for req in reqs:
+            if req.on_tokens is not None:
+                self._streams.add(req.rid)
+                req.future.add_done_callback(lambda _, rid=req.rid: self._streams.discard(rid))
         with self._cond:
             self._waiting.extend(reqs)
             self.stats["requests"] += len(reqs)
@@ -268,7 +273,8 @@ class EngineCore:
             return
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self.batcher.batch) + len(finished))
         self.stats["prefills"] += 1 if new else 0
-        self._stream(self.batcher.batch.seqs)
+        if self._streams:  # rollouts never stream: their steps skip this
+            self._stream(self.batcher.batch.seqs)
         self._resolve(finished)
 
     @staticmethod

@@ -104,6 +104,17 @@ def response(out: GenerateOutput, rid: str, prompt_len: int, text: str, return_l
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
 
+def openai_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def include_usage(stream_options: dict | None) -> bool:
+    """Whether a streaming OpenAI client asked for the usage chunk (stream_options.include_usage)."""
+    return bool((stream_options or {}).get("include_usage"))
+
+
 class TagsIn(Strict):
     tags: list[str] | None = None
 

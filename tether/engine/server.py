@@ -29,7 +29,7 @@ from tether.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
-    UpdateWeightsIn, response,
+    UpdateWeightsIn, include_usage, openai_usage, response,
 )
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http_server import ThreadedServer
@@ -252,14 +252,12 @@ def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: 
                                 sampling_seed=seed)
 
     def usage(req, out) -> dict:
-        return {"prompt_tokens": len(req.input_ids), "completion_tokens": len(out.output_ids),
-                "total_tokens": len(req.input_ids) + len(out.output_ids)}
+        return openai_usage(len(req.input_ids), len(out.output_ids))
 
     async def stream(ids: list[int], sp: SamplingParamsIn, head: dict, chat: bool, body) -> Any:
         req, steps = await submit_stream(ids, sp, None)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return sse(openai_events(req, steps, lambda o: _text(o, decode, sp), decode, head, chat, include_usage,
-                                 _openai_finish), timeout_s)
+        return sse(openai_events(req, steps, lambda o: _text(o, decode, sp), decode, head, chat,
+                                 include_usage(body.stream_options), _openai_finish), timeout_s)
 
     @app.get("/v1/models")
     def models() -> dict:

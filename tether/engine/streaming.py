@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from tether.engine.core import EngineCore, Request
 from tether.engine.generate import GenerateOutput
+from tether.engine.protocol import openai_usage
 from tether.engine.sampling import SamplingParams
 
 DONE = "data: [DONE]\n\n"
@@ -73,8 +74,9 @@ async def token_steps(core: EngineCore, prompt: list[int], params: SamplingParam
     req.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
 
     async def steps() -> AsyncIterator[Tokens | GenerateOutput]:
+        deadline = loop.time() + timeout_s  # the whole request, as for a non-streamed one
         try:
-            while (item := await asyncio.wait_for(queue.get(), timeout_s)) is not None:
+            while (item := await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))) is not None:
                 yield item
             yield req.future.result()
         finally:
@@ -144,9 +146,7 @@ async def openai_events(req: Request, steps: AsyncIterator, text_of: Callable[[G
                 yield chunk(rest, None)
             yield chunk(None, finish(item))
             if include_usage:
-                used = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(item.output_ids),
-                        "total_tokens": len(req.input_ids) + len(item.output_ids)}
-                yield event({**head, "choices": [], "usage": used})
+                yield event({**head, "choices": [], "usage": openai_usage(len(req.input_ids), len(item.output_ids))})
             break
         ids += item[0]
         text = delta.step(ids)

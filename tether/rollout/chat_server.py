@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from tether.engine.protocol import include_usage
 from tether.engine.streaming import chat_reply_events
 from tether.http_guard import ServerLimits, guard
 from tether.http_server import ThreadedServer
@@ -80,8 +81,8 @@ class ChatServer(ThreadedServer):
             except Exception as err:  # the session keeps the error and raises it in the generate function
                 raise HTTPException(status_code=500, detail=f"{type(err).__name__}: {err}") from None
             if body.get("stream"):  # the turn is recorded whole; a streaming client gets it as chunks
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return StreamingResponse(iter(chat_reply_events(reply, include_usage)), media_type="text/event-stream")
+                events = chat_reply_events(reply, include_usage(body.get("stream_options")))
+                return StreamingResponse(iter(events), media_type="text/event-stream")
             return reply
 
         return app

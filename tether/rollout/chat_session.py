@@ -34,6 +34,7 @@ import re
 import uuid
 from typing import Any, Callable
 
+from tether.engine.protocol import openai_usage
 from tether.importing import load_function
 from tether.sample import Sample
 
@@ -241,8 +242,7 @@ class ChatSession:
         prompt_len = len(self.sample.prompt_ids) + self.sample.response_length - len(ids)
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": 0,
                 "model": body.get("model") or "tether", "choices": [choice],
-                "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(ids),
-                          "total_tokens": prompt_len + len(ids)}}
+                "usage": openai_usage(prompt_len, len(ids))}
 
 
 def _restart(sample: Sample, prompt_ids: list[int]) -> None:
