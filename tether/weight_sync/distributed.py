@@ -1,10 +1,12 @@
-"""Weights over a torch.distributed broadcast group: trainer rank 0 is rank 0, engine i is rank i + 1.
+"""Weights over a torch.distributed broadcast group: trainer rank 0 is rank 0, engine i's workers
+follow (rank 1 + i * ranks_per_engine + their tensor-parallel rank).
 
 The group is separate from the trainer's own (FSDP) group: it is built from a TCPStore that trainer
-rank 0 hosts, with gloo on CPU and NCCL on GPU, the way SGLang builds its side (group.py). Engines join and receive through their HTTP API
-(`/init_weights_update_group`, `/update_weights_from_distributed`, as SGLang servers do), so the same
-sender drives any engine that speaks it. Each HTTP call blocks in the engine while the trainer
-broadcasts, so the calls go out on threads and the broadcasts run here; all of it has timeouts.
+rank 0 hosts, with gloo on CPU and NCCL on GPU, the way SGLang builds its side (group.py). Engines
+join and receive through their HTTP API (`/init_weights_update_group`,
+`/update_weights_from_distributed`, as SGLang servers do), so the same sender drives any engine that
+speaks it. Each HTTP call blocks in the engine while the trainer broadcasts, so the calls go out on
+threads and the broadcasts run here; all of it has timeouts.
 """
 
 from __future__ import annotations
