@@ -76,7 +76,10 @@ def test_infinite_loop_is_killed_at_the_deadline():
     # 2 s, not 1: a cold interpreter on a busy machine can take most of a second to print.
     result = call("import os\nprint(os.getpid(), flush=True)\nwhile True: pass", timeout_s=2)
     assert time.monotonic() - start < 4.5
-    assert not result.ok and "timed out after 2s" in result.output
+    # A busy loop on an idle core spends its 2 s of CPU as the 2 s wall deadline comes: whichever limit
+    # fires first stops it, and either says so.
+    assert not result.ok and ("timed out after 2s" in result.output
+                              or "CPU time limit of 2s exceeded" in result.output), result.output
     pid = int(result.output.split()[0])  # what it printed before it was stopped is shown
     assert not os.path.exists(f"/proc/{pid}") and leftovers(pid) == []
 
