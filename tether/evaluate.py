@@ -21,7 +21,7 @@ from tether.engine.backends import placed_engines
 from tether.config import ConfigError, TetherConfig, config_from_dict
 
 
-def model_dir(source: str, out: Path) -> str:
+def model_dir(source: str, out: Path, field: str = "--model") -> str:
     """An HF directory for ``source``: as is, or exported from a checkpoint (or a root holding some)."""
     path = Path(source)
     if (path / "config.json").is_file():
@@ -30,7 +30,13 @@ def model_dir(source: str, out: Path) -> str:
         from tether.export import export_checkpoint
 
         return str(export_checkpoint(path, out / "model"))
-    raise ConfigError(f"--model {source}: neither an HF model directory (config.json) nor a checkpoint")
+    if not path.exists():
+        from tether.model_source import is_hub_id, resolve_model
+
+        if is_hub_id(source):
+            return resolve_model(source, field)
+    raise ConfigError(f"{field} {source}: neither an HF model directory (config.json), a checkpoint, "
+                      "nor a Hugging Face Hub id")
 
 
 def scores_table(metrics: dict) -> str:
@@ -93,7 +99,10 @@ def evaluate(cfg: TetherConfig, model: str | None, out: str | None) -> dict:
         raise ConfigError("tether eval: the config has no eval.datasets to score")
     out_dir = Path(out or Path(cfg.output_dir) / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = model_dir(model or cfg.model.path, out_dir)
+    path = model_dir(model or cfg.model.path, out_dir, "--model" if model else "model.path")
+    from tether.architectures import check_architecture
+
+    check_architecture(path, "--model" if model else "model.path")
     metrics = run_evals(cfg, path, out_dir)
     warnings = metrics.pop("warnings", [])
     for text in warnings:

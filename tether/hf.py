@@ -23,5 +23,11 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
     """An HF causal LM from a local directory; a missing or foreign directory gets a clear error."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path={path!r} is not a directory with an HF config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    except ValueError as err:
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        # Gemma 2 soft-caps its attention scores, which torch's fused attention cannot do
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="eager")
     return model.to(device)
