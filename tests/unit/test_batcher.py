@@ -143,8 +143,8 @@ def test_bfloat16_model_generates(tmp_path):
 
 
 def test_counter_based_sampling_matches_the_distribution():
-    """Gumbel-max over hashed noise draws from softmax(logits / T): check frequencies over many seeds."""
-    from tether.engine.sampling import sample_rows
+    """The inverse CDF at a hashed uniform draws from softmax(logits / T): check frequencies over many seeds."""
+    from tether.engine.row_sampling import sample_rows
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     params = [SamplingParams(temperature=0.8)] * 20000

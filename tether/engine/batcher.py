@@ -26,7 +26,8 @@ from transformers.cache_utils import DynamicLayer
 
 from tether.engine.generate import Sequence, cache_kwarg, left_pad
 from tether.engine.prefix_cache import CachedPrefix, PrefixCache
-from tether.engine.sampling import SamplingParams, sample_rows
+from tether.engine.row_sampling import sample_rows
+from tether.engine.sampling import SamplingParams
 
 
 class GrowingLayer(DynamicLayer):

@@ -15,7 +15,6 @@ parallel regions, which costs a decode step ~20% on a 2-core CPU.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 import time
@@ -30,6 +29,7 @@ from tether.engine.base import KV_CACHE
 from tether.engine.batcher import ContinuousBatcher
 from tether.engine.embedded import EmbeddedEngine, EngineError
 from tether.engine.generate import GenerateOutput
+from tether.engine.host_memory import reuse_large_blocks, trim_heap
 from tether.engine.prefix_cache import PrefixCache
 from tether.engine.sampling import SamplingParams
 
@@ -328,27 +328,9 @@ def start_engine_core(make_engine: Callable[[], EmbeddedEngine], **core_kwargs: 
         except BaseException as exc:  # re-raised in the caller's thread below
             built.set_exception(exc)
 
+    reuse_large_blocks()
     loader = threading.Thread(target=load, name="engine-loader")
     loader.start()
     loader.join()
     engine = built.result()
     return EngineCore(engine, engine.tokenizer, **core_kwargs)
-
-
-
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _libc_malloc_trim()
-
-
-def trim_heap() -> None:
-    """Hand the C allocator's free pages back to the system. Batches of every size come and go in an
-    engine (KV caches, logits); glibc keeps what they freed, so without this an engine's resident
-    memory creeps up over a long run (bench/soak.py)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

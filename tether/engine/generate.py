@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from tether.engine.detokenize import IncrementalDetokenizer
 from tether.engine.sampling import SamplingParams, sample_next
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -111,6 +112,7 @@ class Sequence:
     finish_reason: str | None = None
     matched: int | str | None = None
     version_spans: list[list[int]] = field(default_factory=list)  # [[weight version, tokens], ...]
+    detok: IncrementalDetokenizer | None = None  # the response's text so far, for stop strings
 
     @property
     def next_position(self) -> int:
@@ -128,10 +130,21 @@ class Sequence:
             self.version_spans.append([version, 1])
         if token in self.stop_ids:
             self.finish_reason, self.matched = "stop", token
-        elif self.params.stop and (hit := _earliest_stop(decode(self.output_ids), self.params.stop)) is not None:
+        elif self.params.stop and (hit := self._stop_string(decode)) is not None:
             self.finish_reason, self.matched = "stop", hit
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"
+
+    def _stop_string(self, decode: Callable[[list[int]], str]) -> str | None:
+        """The stop string the text now contains, if any. Only the new text (and the stop length - 1
+        characters before it) can hold one: an earlier match would have stopped an earlier step."""
+        if self.detok is None:
+            self.detok = IncrementalDetokenizer(decode)
+        new = self.detok.update(self.output_ids)
+        if not new:
+            return None
+        reach = len(new) + max(len(s) for s in self.params.stop) - 1
+        return _earliest_stop(self.detok.text[-reach:], self.params.stop)
 
     def output(self, decode: Callable[[list[int]], str] | None) -> GenerateOutput:
         text = None
