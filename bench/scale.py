@@ -6,6 +6,8 @@ Qwen2-shaped models from ~4M to ~0.5B parameters: the time of each phase and the
     python bench/scale.py --dtypes float32,bfloat16         # and in bfloat16: the README's table, ~6 min
     python bench/scale.py --sizes 0.5b --set cluster.offload=true   # config overrides, for every run
     python bench/scale.py --sizes 0.5b --vocab 151936       # Qwen2.5's vocabulary size (494M), ~3.5 min
+    python bench/scale.py --model-dir ~/.cache/tether/models/SmolLM2-135M-Instruct --sizes none \
+        --ab train.logits_chunk_mb=0,256                    # any HF folder; each run once per value of a field
 
 The times include building the models; later runs with the same --work reuse them.
 
@@ -114,7 +116,23 @@ def build_model(out: Path, size: str, vocab: int | None = None, seed: int = 0) -
 
 
 def count_params(model_dir: Path) -> int:
-    return json.loads((model_dir / "model.done").read_text())["params"]
+    if (model_dir / "model.done").is_file():
+        return json.loads((model_dir / "model.done").read_text())["params"]
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                total += _prod(f.get_slice(key).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def write_prompts(path: Path, num: int = 256, seed: int = 0) -> Path:
@@ -231,14 +249,16 @@ class MemorySampler(threading.Thread):
 # ---------------------------------------------------------------- one run
 
 
-def run_one(size: str, dtype: str, model_dir: Path, data: Path, work: Path, args: argparse.Namespace) -> dict:
-    name = f"{size} {SHORT[dtype]}"
-    out = work / "runs" / f"{size}-{dtype}"
-    log = work / "logs" / f"{size}-{dtype}.log"
+def run_one(size: str, dtype: str, model_dir: Path, data: Path, work: Path, args: argparse.Namespace,
+            variant: str | None = None) -> dict:
+    name = f"{size} {SHORT[dtype]}" + (f" {variant.rpartition('.')[2]}" if variant else "")
+    slug = name.replace(" ", "-").replace("=", "")
+    out = work / "runs" / slug
+    log = work / "logs" / f"{slug}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tether.cli", "train", "--config", str(RECIPE), "--overwrite",
            f"model.path={model_dir}", f"model.dtype={dtype}", f"data.path={data}", f"output_dir={out}",
-           f"rollout.num_rollout={args.rollouts}", *args.set]
+           f"rollout.num_rollout={args.rollouts}", *args.set, *([variant] if variant else [])]
     print(f"[scale] {name}: {' '.join(cmd[2:])}  (log: {log})", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -339,8 +359,16 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="section.field=value",
                         help="a config override for every run (repeatable)")
     parser.add_argument("--work", default=None, help="models (kept, reused) and runs; default: a fresh temp dir")
+    parser.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                        help="also run this HF model folder (repeatable; --sizes none for these alone)")
+    parser.add_argument("--ab", metavar="section.field=V1,V2", help="run each model once per value of one field, "
+                        "side by side (e.g. train.logits_chunk_mb=0,256: before/after)")
     args = parser.parse_args()
-    sizes, dtypes = args.sizes.split(","), args.dtypes.split(",")
+    sizes, dtypes = [s for s in args.sizes.split(",") if s != "none"], args.dtypes.split(",")
+    variants: list[str | None] = [None]
+    if args.ab:
+        field, _, values = args.ab.partition("=")
+        variants = [f"{field}={v}" for v in values.split(",")]
     for size in sizes:
         if size not in SHAPES:
             parser.error(f"--sizes: {size!r} is not one of {', '.join(SHAPES)}")
@@ -352,11 +380,15 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="tether-scale-")).resolve()
     data = write_prompts(work / "data" / "train.jsonl")
     results = []
-    for size in sizes:
-        model_dir = build_model(work / "models" / (size if args.vocab is None else f"{size}-v{args.vocab}"), size,
-                                args.vocab)
+    models = [(size, lambda size=size: build_model(
+        work / "models" / (size if args.vocab is None else f"{size}-v{args.vocab}"), size, args.vocab))
+        for size in sizes]
+    models += [(Path(d).name, lambda d=d: Path(d).expanduser().resolve()) for d in args.model_dir]
+    for size, locate in models:
+        model_dir = locate()
         for dtype in dtypes:
-            results.append(run_one(size, dtype, model_dir, data, work, args))
+            for variant in variants:
+                results.append(run_one(size, dtype, model_dir, data, work, args, variant))
     print_table(results, args)
 
 

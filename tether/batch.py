@@ -96,16 +96,20 @@ class MicroBatch:
     """(row, column) where each sample's first response prediction sits, in ``indices`` order."""
     seq_index: torch.Tensor | None = None  # [B, L-1] which of ``indices`` each position belongs to
     position_ids: torch.Tensor | None = None  # [B, L] when packed
+    scored: torch.Tensor | None = None
+    """[B, L-1] bool, True at every response position (loss-masked ones too): where log-probs are computed.
+    None: everywhere."""
 
     @property
     def num_tokens(self) -> float:
         return float(self.response_mask.sum())
 
 
-def _fill_response(mb_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: TrainBatch, i: int, local: int,
+def _fill_response(mb_rows: tuple[torch.Tensor, ...], batch: TrainBatch, i: int, local: int,
                    row: int, start: int) -> None:
-    response_mask, rollout_lp, seq_index = mb_rows
+    response_mask, rollout_lp, seq_index, scored = mb_rows
     r = batch.response_lengths[i]
+    scored[row, start : start + r] = True
     if batch.loss_masks is None:
         response_mask[row, start : start + r] = 1.0
     elif r:
@@ -122,7 +126,8 @@ def collate(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroBatch:
     n = len(indices)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros((n, length), dtype=torch.long)
-    rows = (torch.zeros((n, length - 1)), torch.zeros((n, length - 1)), torch.zeros((n, length - 1), dtype=torch.long))
+    rows = (torch.zeros((n, length - 1)), torch.zeros((n, length - 1)), torch.zeros((n, length - 1), dtype=torch.long),
+            torch.zeros((n, length - 1), dtype=torch.bool))
     spans = []
     for row, i in enumerate(indices):
         toks, p = batch.tokens[i], batch.prompt_lengths[i]
@@ -131,7 +136,8 @@ def collate(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroBatch:
         # Response token k (absolute position p + k) is predicted by the logits at position p + k - 1.
         _fill_response(rows, batch, i, row, row, p - 1)
         spans.append((row, p - 1))
-    return MicroBatch(input_ids, attention, input_ids[:, 1:], rows[0], rows[1], list(indices), spans, rows[2])
+    return MicroBatch(input_ids, attention, input_ids[:, 1:], rows[0], rows[1], list(indices), spans, rows[2],
+                      scored=rows[3])
 
 
 def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroBatch:
@@ -147,7 +153,7 @@ def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroB
         ids = torch.full((1, 2), pad_id, dtype=torch.long)
         zeros = torch.zeros((1, 1))
         return MicroBatch(ids, None, ids[:, 1:], zeros, zeros.clone(), [], [], torch.zeros((1, 1), dtype=torch.long),
-                          torch.arange(2)[None])
+                          torch.arange(2)[None], torch.zeros((1, 1), dtype=torch.bool))
     width = max(len(batch.tokens[i]) for i in indices)
     row_of: dict[int, int] = {}
     fill: list[int] = []
@@ -160,7 +166,8 @@ def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroB
     input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)
     # Padding at a row's end restarts its positions too: it is a separate (ignored) sequence.
     positions = torch.zeros((len(fill), width), dtype=torch.long)
-    rows = tuple(torch.zeros((len(fill), width - 1), dtype=dt) for dt in (torch.float32, torch.float32, torch.long))
+    rows = tuple(torch.zeros((len(fill), width - 1), dtype=dt)
+                 for dt in (torch.float32, torch.float32, torch.long, torch.bool))
     offsets = [0] * len(fill)
     spans = []
     for local, i in enumerate(indices):
@@ -173,7 +180,8 @@ def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroB
         offsets[row] += len(toks)
     for row, used in enumerate(offsets):
         positions[row, used:] = torch.arange(width - used)
-    return MicroBatch(input_ids, None, input_ids[:, 1:], rows[0], rows[1], list(indices), spans, rows[2], positions)
+    return MicroBatch(input_ids, None, input_ids[:, 1:], rows[0], rows[1], list(indices), spans, rows[2], positions,
+                      rows[3])
 
 
 def split_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["token_logprobs", "entropy_from_logits"]
+__all__ = ["token_logprobs", "entropy_from_logits", "head_logprobs"]
 
 
 def _check_temperature(temperature: float) -> None:
@@ -80,3 +80,50 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     # entries keeps both the value and the gradient NaN-free.
     plogp = p * logp.masked_fill(torch.isneginf(logp), 0.0)
     return -plogp.sum(dim=-1)
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
+                  bias: Tensor | None = None, chunk_tokens: int = 1024, entropy: str = "none",
+                  softcap: float | None = None, scale: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of ``targets`` under the LM head, ``chunk_tokens`` positions at a time.
+
+    hidden [N, H] (the final hidden states of the scored positions), weight [V, H], targets [N].
+    Logits are ``scale * (hidden @ weight.T + bias)``, soft-capped as ``softcap * tanh(logits /
+    softcap)`` when given (Gemma 2/3). Each chunk's [chunk, V] logits exist only while that chunk is
+    computed: with autograd on, a chunk is checkpointed, so backward recomputes its logits instead of
+    keeping them (the memory of one chunk, not of N x V). Values and gradients equal those of the
+    whole [N, V] at once up to float summation order.
+
+    entropy: "grad" (differentiable), "metric" (computed without a graph), "none".
+    Returns float32 [N] log-probs and [N] entropies (None for "none").
+    """
+    _check_temperature(temperature)
+
+    def chunk(h: Tensor, w: Tensor, b: Tensor | None, t: Tensor) -> tuple[Tensor, Tensor]:
+        logits = torch.nn.functional.linear(h, w, b)
+        if scale != 1.0:
+            logits = logits * scale
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        lp = token_logprobs(logits, t, temperature)
+        if entropy == "grad":
+            return lp, entropy_from_logits(logits, temperature)
+        if entropy == "metric":
+            with torch.no_grad():
+                return lp, entropy_from_logits(logits.detach(), temperature)
+        return lp, lp.new_zeros(())
+
+    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], max(1, chunk_tokens)):
+        args = (hidden[start : start + chunk_tokens], weight, bias, targets[start : start + chunk_tokens])
+        if checkpointed:
+            lp, ent = torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = chunk(*args)
+        logprobs.append(lp)
+        entropies.append(ent)
+    if not logprobs:  # no scored position
+        empty = hidden.new_zeros((0,), dtype=torch.float32) + weight.sum() * 0  # keeps the graph connected
+        return empty, (empty if entropy != "none" else None)
+    return torch.cat(logprobs), (torch.cat(entropies) if entropy != "none" else None)

@@ -131,6 +131,7 @@ class TrainActor:
             loss_agg_mode=a.loss_agg_mode,
             max_response_len=self.cfg.rollout.max_response_len,
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
+            logits_chunk_mb=self.cfg.train.logits_chunk_mb,
         )
 
     def train(self, step_id: int, batch: TrainBatch, policy_loss: str | None = None,

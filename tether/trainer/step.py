@@ -24,10 +24,10 @@ from torch import nn
 from tether.algorithms.advantages import AdvantageInputs, AdvantageParams, get_advantage_estimator
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.kl import kl_estimate
-from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
 from tether.trainer import mismatch
+from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 from tether.trainer.nonfinite import NonFiniteGuard, check_weights
 
@@ -49,6 +49,9 @@ class StepSettings:
     max_tokens_per_micro_batch: int | None = None
     """Pack samples without padding into micro-batches of about this many tokens (micro_batches.py);
     None: micro_batch_size right-padded samples each."""
+    logits_chunk_mb: float = 256.0
+    """Log-probs from the LM head in chunks of about this many MB of float32 logits, at response positions
+    only (trainer/head.py); 0: the model's whole logits at once."""
 
 
 def assign_ranks(batch: TrainBatch, global_idx: list[int], s: StepSettings, rank: int, world: int) -> list[int]:
@@ -67,20 +70,17 @@ def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[M
     return [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none",
+                     chunk_mb: float = 256.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-probs of the next token ([B, L-1]) and the entropy there.
 
     entropy: "grad" (it is optimised), "metric" (logged only: computed without a graph), "none".
+    chunk_mb > 0: computed at response positions only, a chunk of tokens at a time (trainer/head.py; 0
+    at other positions); 0: from the model's whole logits.
     """
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   use_cache=False).logits[:, :-1]
-    logprobs = token_logprobs(logits, mb.targets, temperature)
-    if entropy == "grad":
-        return logprobs, entropy_from_logits(logits, temperature)
-    if entropy == "metric":
-        with torch.no_grad():
-            return logprobs, entropy_from_logits(logits.detach(), temperature)
-    return logprobs, None
+    if chunk_mb > 0 and chunked_head_agrees(model):
+        return chunked_forward(model, mb, temperature, entropy, chunk_tokens(model, chunk_mb))
+    return plain_forward(model, mb, temperature, entropy)
 
 
 @torch.no_grad()
@@ -92,7 +92,7 @@ def response_logprobs(model: nn.Module, batch: TrainBatch, steps: list[list[int]
     out: dict[int, torch.Tensor] = {}
     for mine in steps:
         for mb in micro_batches(batch, mine, s):
-            logprobs, _ = forward_logprobs(model, mb, batch.temperature)
+            logprobs, _ = forward_logprobs(model, mb, batch.temperature, chunk_mb=s.logits_chunk_mb)
             for (row, start), i in zip(mb.spans, mb.indices):
                 out[i] = logprobs[row, start : start + batch.response_lengths[i]].clone()
     return out
@@ -208,7 +208,7 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
     # Entropy is logged even when it is not optimised: its collapse is the first thing to look at.
     entropy_mode = "grad" if s.loss_params.entropy_coef > 0 else "metric"
     for mb in micro_batches(batch, mine, s):
-        logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode)
+        logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode, s.logits_chunk_mb)
         if seen is not None:
             for (row, start), i in zip(mb.spans, mb.indices):
                 seen[i] = logprobs[row, start : start + batch.response_lengths[i]].detach().clone()
