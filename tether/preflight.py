@@ -1,5 +1,6 @@
 """Checks of a validated config against the machine, before any process starts: the files a command
-needs exist, and user-function files named by path are there. Errors name the field."""
+needs exist, and user-function files named by path are there. Errors name the field. Generated prompt
+data (reasoning_gym: sections) is written here first, so that every later step sees files."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ from pathlib import Path
 
 from tether.config import TetherConfig
 from tether.errors import ConfigError
+from tether.rollout.reasoning_gym_files import materialise
 
 
 def check_inputs(cfg: TetherConfig, command: str) -> None:
-    """Fail before any process starts when a file the command needs is missing; names the field."""
+    """Fail before any process starts when a file the command needs is missing; names the field.
+
+    First the reasoning_gym: sections are generated into <output_dir>/data/ and ``cfg`` is pointed at
+    those files, in place (tether/rollout/reasoning_gym_files.py): this is the one place where a config's
+    prompt sources are resolved, before anything reads them.
+    """
+    materialise(cfg)
     needed = {"model.path": cfg.model.path}
     if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
         needed["data.path"] = cfg.data.path

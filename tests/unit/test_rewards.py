@@ -110,7 +110,7 @@ def test_f1():
 
 
 def test_load_builtins():
-    assert set(BUILTIN_REWARDS) == {"math", "exact_match", "f1"}
+    assert set(BUILTIN_REWARDS) == {"math", "exact_match", "f1", "reasoning_gym", "reasoning_gym_format"}
     assert load_reward_fn("math") is math_reward
     assert load_reward_fn(" f1 ") is f1_reward
 

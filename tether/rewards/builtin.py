@@ -3,6 +3,8 @@
 - "math": last \\boxed{...} answer checked against the label with math_verify.
 - "exact_match": stripped response equals the stripped label.
 - "f1": token-level F1 between whitespace tokens of response and label.
+- "reasoning_gym", "reasoning_gym_format": the task's own checker of a reasoning-gym problem
+  (tether/rewards/reasoning_gym.py).
 """
 
 from __future__ import annotations
@@ -11,51 +13,12 @@ import threading
 from collections import Counter
 from typing import Callable
 
+from tether.rewards.boxed import extract_last_boxed
+from tether.rewards.reasoning_gym import reasoning_gym_format_reward, reasoning_gym_reward
 from tether.sample import Sample
 
 # Seconds allowed for each math_verify parse/verify call on the main thread.
 MATH_VERIFY_TIMEOUT_S = 5
-
-_BOXED = "\\boxed"
-
-
-def extract_last_boxed(text: str) -> str | None:
-    """Return the content of the last complete \\boxed{...} in `text`, or None.
-
-    Braces are matched with a depth counter so nested groups such as
-    \\boxed{\\frac{1}{2}} are kept whole; escaped braces (\\{ \\}) do not count.
-    An unterminated last \\boxed{ is skipped in favour of an earlier complete one.
-    """
-    start = text.rfind(_BOXED)
-    while start != -1:
-        content = _braced_group(text, start + len(_BOXED))
-        if content is not None:
-            return content
-        start = text.rfind(_BOXED, 0, start)
-    return None
-
-
-def _braced_group(text: str, pos: int) -> str | None:
-    """Content of the {...} group starting at `pos` (after spaces), or None."""
-    while pos < len(text) and text[pos] == " ":
-        pos += 1
-    if pos >= len(text) or text[pos] != "{":
-        return None
-    depth = 0
-    i = pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character, e.g. \{ or \}
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos + 1 : i]
-        i += 1
-    return None
 
 
 def _math_timeout() -> int | None:
@@ -136,4 +99,6 @@ BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {
     "math": math_reward,
     "exact_match": exact_match_reward,
     "f1": f1_reward,
+    "reasoning_gym": reasoning_gym_reward,
+    "reasoning_gym_format": reasoning_gym_format_reward,
 }

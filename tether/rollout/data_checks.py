@@ -46,13 +46,24 @@ def load_keys(cfg: TetherConfig) -> dict[str, Any]:
                 fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
 
 
+def not_generated(field: str) -> ConfigError:
+    """A reasoning_gym: section reached a loader without files: only check_inputs writes them."""
+    return ConfigError(f"{field}.reasoning_gym: its problems are not written yet; tether.preflight.check_inputs"
+                       "(cfg, command) writes them and points the config at the files (the CLI runs it first)")
+
+
 def load_train_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> LoadedRows:
+    if cfg.data.path is None and cfg.data.reasoning_gym is not None:
+        raise not_generated("data")
     r = cfg.rollout
     return load_prompt_rows(cfg.data.path, tokenizer, **load_keys(cfg),
                             checks=row_checks(cfg, r.reward, r.max_response_len, positions))
 
 
 def load_eval_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> list[LoadedRows]:
+    for i, e in enumerate(cfg.eval.datasets):
+        if e.path is None:
+            raise not_generated(f"eval.datasets[{i}]")
     return [load_prompt_rows(e.path, tokenizer, **load_keys(cfg),
                              checks=row_checks(cfg, e.reward or cfg.rollout.reward, e.max_response_len, positions))
             for e in cfg.eval.datasets]
@@ -66,7 +77,7 @@ def check_prompt_data(cfg: TetherConfig) -> list[str]:
     positions = model_positions(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.path)
     loaded = load_eval_rows(cfg, tokenizer, positions)
-    if cfg.data.path is not None:
+    if cfg.data.path is not None or cfg.data.reasoning_gym is not None:
         loaded.append(load_train_rows(cfg, tokenizer, positions))
     return [line for rows in loaded for line in rows.skipped]
 

@@ -177,7 +177,7 @@ class RolloutManager:
         # Without prompt data the manager only evaluates (`tether eval`, the eval at the end of `tether sft`).
         self.data: DataSource | None = None
         self.filtered, self.skipped_rows = 0, []
-        if d.path is not None:
+        if d.path is not None or d.reasoning_gym is not None:  # the latter raises: check_inputs writes its files
             rows, self.filtered, self.skipped_rows = load_train_rows(self.cfg, self.tokenizer, positions)
             self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
                                    n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
