@@ -24,8 +24,8 @@ from tether.tracking.startup import StartupClock
 from tether.trainer.group import TrainerGroup
 
 
-def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None
-                   ) -> tuple[str | None, int, dict]:
+def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = None,
+                   command: str = "train") -> tuple[str | None, int, dict]:
     """(checkpoint path, first rollout id, its meta). A --load directory without one starts fresh.
 
     A fresh start claims the output directory (tether/run_dir.py): it refuses to write over an
@@ -42,7 +42,7 @@ def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str 
         # Asked to resume a run that never finished a checkpoint: its logs describe nothing that
         # survives, so they are replaced; any other earlier run is refused unless overwriting.
         nothing_kept = bool(cfg.checkpoint.load) and find_latest(cfg.checkpoint_dir) is None
-        for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite or nothing_kept, command="train",
+        for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite or nothing_kept, command=command,
                           config_path=config_path):
             print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
         return None, 0, {}
