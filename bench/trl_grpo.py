@@ -4,7 +4,10 @@
 
 SETUP.json gives the model directory, the prompt file (JSONL rows {"prompt", "label"}) and the
 shared settings; OUT.json receives one row per optimizer step: its wall seconds and mean reward,
-and the seconds from process start to the first step. This file imports TRL, not tether.
+and the seconds from process start to the first step. This file imports TRL, not tether's training
+stack; with "reward": "reasoning_gym" (bench/vs_trl_real.py) it calls tether's reasoning_gym reward
+function itself (from "repo"), so both frameworks score replies alike. "chat": the prompts go to TRL as
+chat messages (its chat-template path); "save_steps": the weights are saved that often.
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 def exact_match(completions: list[str], label: list[str], **_) -> list[float]:
     """1.0 when the completion is the label (stripped): tether's exact_match reward."""
     return [float(c.strip() == str(y).strip()) for c, y in zip(completions, label)]
+
+
+def reasoning_gym_reward(repo: str):
+    """tether's reasoning_gym reward (answer extraction + the task's own checker) as a TRL reward function."""
+    sys.path.insert(0, repo)
+    from tether.rewards.reasoning_gym import extract_answer, score
+
+    def reward(completions: list, meta_json: list[str], **_) -> list[float]:
+        out = []
+        for completion, meta in zip(completions, meta_json):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            m = json.loads(meta)
+            out.append(score(m["task"], m.get("settings") or {}, m["entry"], extract_answer(text, m["entry"].get("answer"))))
+        return out
+
+    return reward
 
 
 class StepClock(TrainerCallback):
@@ -67,11 +86,17 @@ def main() -> None:
     setup = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(setup["threads"])
     rows = [json.loads(line) for line in open(setup["prompts"]) if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
+    chat = setup.get("chat", False)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}] if chat else r["prompt"],
+                                  "label": str(r["label"]), "meta_json": json.dumps(r.get("metadata") or {})}
+                                 for r in rows])
+    reward = reasoning_gym_reward(setup["repo"]) if setup.get("reward") == "reasoning_gym" else exact_match
+    saving = {"save_strategy": "steps", "save_steps": setup["save_steps"], "save_only_model": True} \
+        if setup.get("save_steps") else {"save_strategy": "no"}
     batch = setup["prompts_per_step"] * setup["samples_per_prompt"]
     config = GRPOConfig(
         output_dir=setup["out_dir"], seed=setup["seed"], use_cpu=True, bf16=setup["bf16"], report_to=[],
-        save_strategy="no", logging_steps=1, max_steps=setup["steps"], shuffle_dataset=True,
+        **saving, logging_steps=1, max_steps=setup["steps"], shuffle_dataset=True,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=setup["samples_per_prompt"], num_iterations=1,  # one optimizer step per generation
         max_completion_length=setup["max_new_tokens"], temperature=setup["temperature"], top_p=1.0,
@@ -82,7 +107,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
     clock = StepClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     clock.time_generation(trainer)
     trainer.train()
