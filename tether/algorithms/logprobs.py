@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["token_logprobs", "entropy_from_logits", "head_logprobs"]
+__all__ = ["token_logprobs", "entropy_from_logits", "logprobs_and_entropy", "head_logprobs"]
 
 
 def _check_temperature(temperature: float) -> None:
@@ -82,6 +82,19 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return -plogp.sum(dim=-1)
 
 
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float,
+                         entropy: str = "none") -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` and, by ``entropy``, the entropy at each position: "grad" (differentiable),
+    "metric" (computed without a graph: logged, not optimised) or "none" (None)."""
+    logprobs = token_logprobs(logits, targets, temperature)
+    if entropy == "grad":
+        return logprobs, entropy_from_logits(logits, temperature)
+    if entropy == "metric":
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach(), temperature)
+    return logprobs, None
+
+
 def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
                   bias: Tensor | None = None, chunk_tokens: int = 1024, entropy: str = "none",
                   softcap: float | None = None, scale: float = 1.0) -> tuple[Tensor, Tensor | None]:
@@ -105,13 +118,8 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
             logits = logits * scale
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        lp = token_logprobs(logits, t, temperature)
-        if entropy == "grad":
-            return lp, entropy_from_logits(logits, temperature)
-        if entropy == "metric":
-            with torch.no_grad():
-                return lp, entropy_from_logits(logits.detach(), temperature)
-        return lp, lp.new_zeros(())
+        lp, ent = logprobs_and_entropy(logits, t, temperature, entropy)
+        return lp, ent if ent is not None else lp.new_zeros(())  # checkpoint returns tensors only
 
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprobs, entropies = [], []

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from tether.algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
+from tether.algorithms.logprobs import head_logprobs, logprobs_and_entropy
 from tether.batch import MicroBatch
 
 _CHECKED = "_tether_chunked_head_ok"
@@ -97,14 +97,7 @@ def chunked_forward(model: nn.Module, mb: MicroBatch, temperature: float, entrop
 def plain_forward(model: nn.Module, mb: MicroBatch, temperature: float,
                   entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole [B, L, V] logits at once (the reference the chunked path is checked against)."""
-    logits = model(**_model_inputs(mb)).logits[:, :-1]
-    logprobs = token_logprobs(logits, mb.targets, temperature)
-    if entropy == "grad":
-        return logprobs, entropy_from_logits(logits, temperature)
-    if entropy == "metric":
-        with torch.no_grad():
-            return logprobs, entropy_from_logits(logits.detach(), temperature)
-    return logprobs, None
+    return logprobs_and_entropy(model(**_model_inputs(mb)).logits[:, :-1], mb.targets, temperature, entropy)
 
 
 @torch.no_grad()
