@@ -10,7 +10,7 @@ from tests.unit.test_loss_mask import batches, settings
 from tether.config import config_from_dict
 from tether.hf import load_model
 from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.trainer.model import apply_fsdp, compute_dtype
+from tether.trainer.model import apply_fsdp, compute_dtype, prepare_for_training
 from tether.trainer.step import train_on_batch
 
 
@@ -63,3 +63,19 @@ def test_compute_dtype_is_a_cast_only_when_it_differs_from_the_model(tmp_path):
     assert compute_dtype(cfg()) is None
     assert compute_dtype(cfg(compute_dtype="float32")) is None
     assert compute_dtype(cfg(compute_dtype="bfloat16")) is torch.bfloat16
+
+
+def test_bfloat16_training_on_cpu_uses_the_eager_attention_kernel(model_dir, mesh):
+    # The CPU flash-attention backward is ~5x slower than eager attention in bfloat16 (not in float32);
+    # a frozen model (no backward) keeps SDPA, whose bfloat16 forward is the faster one.
+    def cfg(**train):
+        return config_from_dict({"model": {"path": str(model_dir)}, "data": {"path": str(model_dir / "d.jsonl")},
+                                 "train": train})
+
+    def kernel(c, backward=True):
+        model = prepare_for_training(load_model(str(model_dir), "float32"), c, mesh, "cpu", backward)
+        return model.config._attn_implementation
+
+    assert kernel(cfg(compute_dtype="bfloat16")) == "eager"
+    assert kernel(cfg(compute_dtype="bfloat16"), backward=False) == "sdpa"
+    assert kernel(cfg()) == "sdpa"

@@ -27,7 +27,7 @@ from tether.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
 from tether.hf import load_model, load_tokenizer
-from tether.trainer.model import apply_fsdp, compute_dtype, full_tensors, save_hf
+from tether.trainer.model import full_tensors, prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
@@ -96,16 +96,14 @@ class TrainActor:
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         model = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device)
-        if self.cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        self.model = apply_fsdp(model, self.mesh, compute_dtype(self.cfg))
+        self.model = prepare_for_training(model, self.cfg, self.mesh, self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
         if with_ref:
             # The reference is the starting policy, frozen: KL is measured against where we began.
             ref = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device).eval()
             ref.requires_grad_(False)
-            self.ref_model = apply_fsdp(ref, self.mesh, compute_dtype(self.cfg))
+            self.ref_model = prepare_for_training(ref, self.cfg, self.mesh, self.device, backward=False)
         if self.cfg.algorithm.advantage_estimator in NEEDS_VALUES:
             self.critic = Critic(self.cfg, self.device, self.mesh, total_steps)
         if load_dir:

@@ -21,7 +21,7 @@ from tether.algorithms.losses import value_loss
 from tether.batch import MicroBatch, TrainBatch
 from tether.config import TetherConfig
 from tether.hf import DTYPES
-from tether.trainer.model import apply_fsdp, compute_dtype
+from tether.trainer.model import prepare_for_training
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import StepSettings, grad_norm, micro_batches, place
 
@@ -40,10 +40,7 @@ def load_value_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
 
 class Critic:
     def __init__(self, cfg: TetherConfig, device: str, mesh, total_steps: int):
-        model = load_value_model(cfg.model.path, cfg.model.dtype, device)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        self.model = apply_fsdp(model, mesh, compute_dtype(cfg))
+        self.model = prepare_for_training(load_value_model(cfg.model.path, cfg.model.dtype, device), cfg, mesh, device)
         train = cfg.train.model_copy(update={"lr": cfg.critic.lr, "min_lr": min(cfg.train.min_lr, cfg.critic.lr)})
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_scheduler(self.optimizer, train, total_steps)
