@@ -16,6 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from tether.algorithms.names import POLICY_LOSS_NAMES, TOKEN_LEVEL
 from tether.config_base import Section
 from tether.config_raw import apply_overrides, resolve_function_specs
 from tether.engine.config import ServerConfig, SglangConfig, VllmConfig
@@ -185,8 +186,6 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> AlgorithmConfig:
-        from tether.algorithms.advantages import TOKEN_LEVEL
-
         if self.kl_in_reward_coef > 0 and self.advantage_estimator not in TOKEN_LEVEL:
             raise ValueError(f"kl_in_reward_coef > 0 needs a token-level advantage_estimator "
                              f"({', '.join(sorted(TOKEN_LEVEL))}), got {self.advantage_estimator!r}")
@@ -198,10 +197,8 @@ class AlgorithmConfig(Section):
     @classmethod
     def _known_loss(cls, value: str) -> str:
         if ":" not in value:
-            from tether.algorithms.losses import POLICY_LOSSES
-
-            if value not in POLICY_LOSSES:
-                raise ValueError(f"{value!r} is not one of {sorted(POLICY_LOSSES)} nor a 'module:function' / "
+            if value not in POLICY_LOSS_NAMES:
+                raise ValueError(f"{value!r} is not one of {sorted(POLICY_LOSS_NAMES)} nor a 'module:function' / "
                                  "'file.py:function'")
         return value
 
@@ -463,14 +460,21 @@ class TetherConfig(Section):
                              "synchronous loop)")
         if r.async_mode != "fully_async" or not r.max_staleness:
             return
-        clashes = {"rollout.custom_rollout_fn": r.custom_rollout_fn, "rollout.custom_generate_fn": r.custom_generate_fn,
-                   "rollout.partial_rollout": r.partial_rollout, "rollout.over_sampling_groups": r.over_sampling_groups,
-                   "rollout.keep_order": r.keep_order != "start" and r.keep_order,
-                   "deterministic": self.deterministic}
-        named = [f"{name}={value}" for name, value in clashes.items() if value]
+        # Generate functions, dynamic filters, over-sampling and partial rollout stream like plain groups
+        # (the stream always continues a group cut by a weight update). What is left cannot stream:
+        reasons = {
+            "rollout.custom_rollout_fn": (r.custom_rollout_fn, "a rollout function produces a whole rollout at "
+                                          "once, while the stream hands the trainer groups as they finish; use "
+                                          "rollout.custom_generate_fn for per-group logic"),
+            "rollout.keep_order": (r.keep_order != "start" and r.keep_order, "the stream always takes the ready "
+                                   "groups with the oldest weights first"),
+            "deterministic": (self.deterministic, "which groups a take gets depends on when they finish, "
+                              "against the trainer's pace"),
+        }
+        named = [f"{name}={value} ({why})" for name, (value, why) in reasons.items() if value]
         if named:
-            raise ValueError(f"rollout.async_mode: fully_async streams groups across train steps; "
-                             f"it does not combine with {', '.join(named)}")
+            raise ValueError("rollout.async_mode: fully_async streams groups across train steps; it does not "
+                             "combine with " + "; ".join(named))
 
     def _check_engines(self) -> None:
         r, c = self.rollout, self.cluster

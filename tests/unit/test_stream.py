@@ -96,9 +96,10 @@ async def score(group):
 
 
 def make_stream(fleet: FakeFleet, k: int, *, stale="retry", mode="in_place", keep=None, timeout_s=20.0,
-                max_in_flight=None, groups_per_request=1) -> RolloutStream:
+                max_in_flight=None, groups_per_request=1, over_sampling=P) -> RolloutStream:
     data = DataSource(rows(), prompts_per_rollout=P, n_samples_per_prompt=2, shuffle=True, seed=3)
-    settings = StreamSettings(need=P, max_staleness=k, max_in_flight=max_in_flight, stale_groups=stale,
+    settings = StreamSettings(need=P, max_staleness=k, start_per_take=over_sampling, max_in_flight=max_in_flight,
+                              stale_groups=stale,
                               groups_per_request=groups_per_request, pause_mode=mode, seed=1, timeout_s=timeout_s)
     return RolloutStream(fleet, data, SamplingParams(max_new_tokens=64), settings, score,
                          keep or (lambda group: (True, "")))
@@ -252,6 +253,27 @@ def test_the_stream_runs_ahead_to_the_staleness_window_only_while_the_trainer_wa
         assert stream._on_loop(_outstanding, stream) == P
     finally:
         stream.close()
+
+
+def test_over_sampled_groups_stand_in_for_the_ones_the_filter_drops():
+    """over_sampling_groups = P + 2: two more groups outstanding than a take's worth, while the trainer
+    waits (the window) and while it trains; a take still holds P groups, all passing the filter."""
+    fleet = FakeFleet(tokens=lambda prompt, attempt: 30, step_s=0.01)
+    stream = make_stream(fleet, 2, over_sampling=P + 2, keep=lambda group: (group[0].reward > 0, "zero_reward"))
+    try:
+        stream.start(0, 0)
+        waiting = threading.Thread(target=stream.take, args=(0,))
+        waiting.start()
+        time.sleep(0.1)
+        assert stream._on_loop(_outstanding, stream) == 3 * P + 2
+        waiting.join(timeout=20)
+        taken = run_steps(stream, fleet, 1, 3)
+        time.sleep(0.8)  # a slow train step: what started has finished, and no more started
+        assert stream._on_loop(_outstanding, stream) == P + 2
+    finally:
+        stream.close()
+    for flights, _ in taken.values():
+        assert len(flights) == P and all(f.samples[0].prompt_index % 2 == 1 for f in flights)
 
 
 async def _outstanding(stream):

@@ -21,25 +21,20 @@ Two schedules:
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator
+from typing import Iterator
 
 import httpx
 
 from tether.engine.sampling import SamplingParams
 from tether.http_client import async_client, engine_headers, pool_limits
 from tether.rollout.fleet import EngineFleet, split_groups
-from tether.rollout.generate_fn import CustomGenerate, GenerateError, group_tokens
-from tether.router import EngineLost
+from tether.rollout.generate_fn import CustomGenerate
+from tether.rollout.group_runner import Group, GroupRunner, KeepFn, ScoreFn
 from tether.sample import Sample
-
-Group = list[Sample]
-ScoreFn = Callable[[Group], Awaitable[None]]
-KeepFn = Callable[[Group], tuple[bool, str]]
 
 
 @dataclass
@@ -101,7 +96,7 @@ class GroupDriver:
             start = time.perf_counter()
             result = await (run.waves() if schedule.waves else run.streaming())
             result.metrics["timing/generate_s"] = time.perf_counter() - start
-            result.metrics["timing/reward_s"] = run.reward_s
+            result.metrics["timing/reward_s"] = run.runner.reward_s
             return result
 
     async def generate_group(self, client: httpx.AsyncClient, group: Group, params: SamplingParams, seed: int,
@@ -110,7 +105,7 @@ class GroupDriver:
         (a generate function may change its size)."""
         run = _Run(self.fleet, client, iter(()), Schedule(1, 1, None, False), params, seed, None, None, what,
                    self.custom, evaluation)
-        await run._generate(group, len(group), what)
+        await run._generate([group], what)
         return group
 
 
@@ -120,15 +115,13 @@ class _Run:
     def __init__(self, fleet, client, groups, schedule: Schedule, params, seed, score, keep, what,
                  custom: CustomGenerate | None = None, evaluation: bool = False):
         self.fleet, self.client, self.source, self.s = fleet, client, groups, schedule
-        self.params, self.seed, self.score, self.keep, self.what = params, seed, score, keep, what
-        self.timeout_s = fleet.timeout_s
+        self.seed, self.what = seed, what
+        self.runner = GroupRunner(fleet, params, score, keep, fleet.timeout_s, custom, evaluation)
         self.started: list[Started] = []
         self.decided: list[Started] = []  # in the order they were kept or dropped
         self.cut = False  # set once the kept groups are known: later aborts are ours
         self.exhausted = False
         self.tag = uuid.uuid4().hex[:8]
-        self.custom, self.evaluation = custom, evaluation
-        self.reward_s = 0.0
         self.aborted_samples = 0
 
     def _next(self) -> Started | None:
@@ -150,51 +143,24 @@ class _Run:
         return [f"{self.tag}-{s.group_index}-{s.sample_index}" for s in group]
 
     async def _judge(self, item: Started) -> None:
-        if any(s.status == "aborted" for s in item.samples):
-            if not self.cut:  # the engine gave up on it (its request timeout): a dropped group
-                item.kept, item.reason = False, "aborted_by_engine"
-                self.decided.append(item)
-            return  # cut short by our abort: neither kept nor dropped, it is unfinished
-        start = time.perf_counter()
-        await asyncio.wait_for(self.score(item.samples), self.timeout_s)
-        self.reward_s += time.perf_counter() - start
-        item.kept, item.reason = self.keep(item.samples)
-        self.decided.append(item)
+        kept, reason = await self.runner.judge(item.samples, cut_by_us=self.cut)
+        if kept is not None:  # None: cut short by our abort, neither kept nor dropped: it is unfinished
+            item.kept, item.reason = kept, reason
+            self.decided.append(item)
 
-    async def _generate(self, samples: Group, n: int, what: str) -> None:
-        """Generate these samples (whole groups) in place: one request, or a group's generate function."""
-        seeds, rids = self._seeds(samples, n), self._rids(samples)
-        spec = self.custom.spec_for(samples[0]) if self.custom else None
-        if spec is None:
-            return await self.fleet.generate(self.client, samples, self.params, seeds, rids, what)
-        router = self.fleet.router
-        while True:
-            # A group whose engine is lost starts again, from what it was, on another engine.
-            before = copy.deepcopy(samples) if self.fleet.reissue else None
-            url = None
-            try:
-                async with router.lease_async(group_tokens(samples, self.params)) as url:
-                    samples[:] = await self.custom.generate_group(spec, list(samples), self.params, url, self.client,
-                                                                  seeds, rids, lambda: self.cut, self.timeout_s,
-                                                                  self.evaluation)
-                return
-            except (EngineLost, GenerateError) as err:
-                cause = err.__cause__
-                connection = isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
-                if before is None or not (isinstance(err, EngineLost) or connection):
-                    raise
-                router.mark_lost(url, f"{type(cause).__name__}: {cause}" if connection else err.reason)
-                samples[:] = before
-                self.fleet.reissued_samples += len(samples)
+    async def _generate(self, groups: list[Group], what: str, names: list[str] | None = None) -> None:
+        """Generate these whole groups in place (one request, or each by its generate function)."""
+        await self.runner.generate(self.client, groups, [self._seeds(g, len(g)) for g in groups],
+                                   [self._rids(g) for g in groups], what, names, is_cut=lambda k: self.cut)
+
+    def _span(self, items: list[Started]) -> str:
+        return f"{self.what}, group {items[0].start}" if len(items) == 1 else \
+            f"{self.what}, groups {items[0].start}..{items[-1].start}"
 
     async def _groups(self, items: list[Started]) -> None:
         """Generate these groups in one request (a generate function: each its own way), then judge them."""
-        if len(items) == 1 or self.custom is not None:
-            await asyncio.gather(*(self._generate(item.samples, len(item.samples), f"{self.what}, group {item.start}")
-                                   for item in items))
-        else:
-            await self._generate([s for item in items for s in item.samples], len(items[0].samples),
-                                 f"{self.what}, groups {items[0].start}..{items[-1].start}")
+        await self._generate([item.samples for item in items], self._span(items),
+                             [self._span([item]) for item in items])
         await asyncio.gather(*(self._judge(item) for item in items))
 
     def _cutoff(self) -> list[Started] | None:
@@ -258,25 +224,18 @@ class _Run:
             wave = [item for item in (self._next() for _ in range(self.s.over_sampling_groups)) if item is not None]
             if not wave:
                 break
+            # One request per engine (whole groups each); a generate function works a group at a time.
             n = len(wave[0].samples)
-            if self.custom is not None:  # generate functions work a group at a time
-                await asyncio.gather(*(self._generate(item.samples, n, f"{self.what}, group {item.start}")
-                                       for item in wave))
-            else:
-                samples = [s for item in wave for s in item.samples]
-                parts = [p for p in split_groups(len(samples), n, self.fleet.num_engines) if p]
-                await asyncio.gather(*(self._generate(
-                    [samples[i] for i in part], n, f"{self.what}, groups {wave[0].start}..{wave[-1].start}")
-                    for part in parts))
+            parts = [p for p in split_groups(len(wave) * n, n, self.fleet.num_engines) if p]
+            shares = [wave[p.start // n:p.stop // n] for p in parts]
+            await asyncio.gather(*(self._generate([item.samples for item in share], self._span(wave),
+                                                  [self._span([item]) for item in share]) for share in shares))
             await asyncio.gather(*(self._judge(item) for item in wave))
             cutoff = self._cutoff()
         return self._result(cutoff)
 
     async def _abort(self, items: list[Started]) -> None:
-        if items:
-            rids = [rid for item in items for rid in self._rids(item.samples)]
-            await self.fleet.abort(self.client, rids)
-            self.aborted_samples += len(rids)
+        self.aborted_samples += await self.runner.abort(self.client, [r for item in items for r in self._rids(item.samples)])
 
     async def _abort_quietly(self, items: list[Started]) -> None:
         # Failing already: stop the engines' work on the other groups, without hiding the first error.

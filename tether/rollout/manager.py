@@ -190,9 +190,6 @@ class RolloutManager:
         self.skipped_rows += [line for loaded in eval_loaded for line in loaded.skipped]
         eval_rows = [(e, loaded.rows) for e, loaded in zip(self.cfg.eval.datasets, eval_loaded)]
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
-        if row_fns and r.max_staleness and r.async_mode == "fully_async":
-            raise ConfigError(f"{row_fns[0][1]}: a row names its own generate function; rollout.async_mode: "
-                              "fully_async streams plain /generate requests only")
         row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path)]
         self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
                        if r.custom_generate_fn or row_fns else None)
@@ -224,12 +221,13 @@ class RolloutManager:
         r = self.cfg.rollout
         if r.max_staleness and r.async_mode == "fully_async" and self.data is not None:
             settings = StreamSettings(need=r.prompts_per_rollout, max_staleness=r.max_staleness,
+                                      start_per_take=r.groups_to_start,
                                       max_in_flight=r.max_concurrent_groups, stale_groups=r.stale_groups,
                                       groups_per_request=r.groups_per_request,
                                       pause_mode=r.pause_mode, seed=self.cfg.seed,
                                       timeout_s=self.cfg.cluster.call_timeout_s)
             self.stream = RolloutStream(self.fleet, self.data, self.params, settings,
-                                        partial(score_shaped, self.scorer, self.cfg), self.keep)
+                                        partial(score_shaped, self.scorer, self.cfg), self.keep, self.custom)
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch

@@ -16,6 +16,11 @@ trained at rollouts v .. v + max_staleness, so never more than those rollouts wi
 The stream fills that window only while the trainer waits for a take (the engines are then the
 bottleneck and more groups at once make bigger batches); otherwise it keeps one take's worth
 outstanding, so that engines faster than the trainer do not make every batch max_staleness old.
+With a dynamic filter, ``over_sampling_groups`` raises "one take's worth" (and the window) by the
+groups the filter is expected to drop.
+
+Each group goes through the group runner (rollout/group_runner.py), as in the synchronous rollout:
+one request, or the group's generate function (the run's or its data row's), scored and judged.
 
 Weight updates happen between ``pause`` and ``resume``. ``in_place``: the engines hold running
 requests and continue them under the new weights with their KV cache (the engine reports which
@@ -45,7 +50,10 @@ from tether.engine.sampling import SamplingParams
 from tether.http_client import async_client, engine_headers, pool_limits
 from tether.rollout.data_source import DataSource
 from tether.rollout.fleet import EngineFleet
+from tether.rollout.generate_fn import CustomGenerate
+from tether.rollout.group_runner import GroupRunner
 from tether.sample import Sample, sample_from_dict
+from tether.errors import TIMEOUTS
 
 Group = list[Sample]
 STREAM_STATE = "rollout_stream.json"
@@ -74,7 +82,8 @@ class Flight:
     """Why we aborted it while it ran: "pause" (continue after the update) or "stale"."""
 
     def oldest(self) -> int:
-        versions = [v for s in self.samples for v, n in zip(s.weight_versions, s.span_lengths) if n > 0]
+        # Tokens inserted before the policy's first reply (an agent's opening turn) have no version: -1.
+        versions = [v for s in self.samples for v, n in zip(s.weight_versions, s.span_lengths) if n > 0 and v >= 0]
         return min(versions, default=self.version)
 
     def to_dict(self) -> dict:
@@ -91,6 +100,9 @@ class StreamSettings:
     need: int
     """Groups per take (rollout.prompts_per_rollout)."""
     max_staleness: int
+    start_per_take: int
+    """Groups kept outstanding per take (rollout.over_sampling_groups, at least ``need``): those over
+    ``need`` stand in for groups the dynamic filter will drop, so that a take does not wait for them."""
     max_in_flight: int | None
     """Most groups generating at once (rollout.max_concurrent_groups); None: as many as may be outstanding."""
     stale_groups: Literal["drop", "retry"]
@@ -102,9 +114,10 @@ class StreamSettings:
 
 class RolloutStream:
     def __init__(self, fleet: EngineFleet, data: DataSource, params: SamplingParams, settings: StreamSettings,
-                 score: Callable[[Group], Awaitable[None]], keep: Callable[[Group], tuple[bool, str]]):
+                 score: Callable[[Group], Awaitable[None]], keep: Callable[[Group], tuple[bool, str]],
+                 custom: CustomGenerate | None = None):
         self.fleet, self.data, self.params, self.s = fleet, data, params, settings
-        self.score, self.keep = score, keep
+        self.runner = GroupRunner(fleet, params, score, keep, settings.timeout_s, custom)
         self.position = (0, 0)  # (epoch, offset) of the next prompt to draw
         self.next_seq = 0
         self.queue: deque[Flight] = deque()  # to (re)start before new prompts, oldest first
@@ -192,14 +205,16 @@ class RolloutStream:
         self._busy_from = now if self.running and not self.paused else None
 
     def _capacity(self) -> int:
-        """Groups that may be outstanding: those the takes up to version + max_staleness will use."""
-        return (self.version + self.s.max_staleness - self.next_take + 1) * self.s.need
+        """Groups that may be outstanding: those the takes up to version + max_staleness will use, and
+        the over-sampled ones."""
+        extra = self.s.start_per_take - self.s.need
+        return (self.version + self.s.max_staleness - self.next_take + 1) * self.s.need + extra
 
     def _fill(self) -> None:
         """Start groups while there is room, up to groups_per_request of them to a request."""
         if self.paused or self.error is not None:
             return
-        cap = self._capacity() if self.trainer_waits else min(self._capacity(), self.s.need)
+        cap = self._capacity() if self.trainer_waits else min(self._capacity(), self.s.start_per_take)
         limit = self.s.max_in_flight or cap
         batch: list[Flight] = []
         while len(self.running) < limit and len(self.running) + len(self.ready) < cap:
@@ -209,6 +224,8 @@ class RolloutStream:
                 continue
             if flight.version < self.version and not any(s.response_ids for s in flight.samples):
                 flight.version = self.version  # nothing generated yet: its tokens will be this version's
+            for s in flight.samples:  # what a generate function sees as ctx.rollout_id (the take sets it again)
+                s.rollout_id = flight.version
             self.running[flight.seq] = flight
             batch.append(flight)
             if len(batch) == self.s.groups_per_request:
@@ -234,22 +251,24 @@ class RolloutStream:
         return seeds, [f"{self.tag}-{flight.seq}-{flight.attempt}-{s.sample_index}" for s in flight.samples]
 
     async def _run(self, flights: list[Flight]) -> None:
-        """Generate these groups in one request, then score and judge each (or requeue the ones we cut)."""
+        """Generate these groups in one request (or each by its generate function), then score and
+        judge each (or requeue the ones we cut)."""
         try:
-            seeds, rids = [], []
+            seeds = []
             for flight in flights:
                 group_seeds, flight.rids = self._seeds_and_rids(flight)
-                seeds += group_seeds
-                rids += flight.rids
-            what = ", ".join(f"group {f.seq} (prompt {f.samples[0].prompt_index})" for f in flights)
-            await self.fleet.generate(self.client, [s for f in flights for s in f.samples], self.params, seeds, rids,
-                                      f"rollout stream, {what}")
+                seeds.append(group_seeds)
+            names = [f"rollout stream, group {f.seq} (prompt {f.samples[0].prompt_index})" for f in flights]
+            what = names[0] if len(flights) == 1 else "rollout stream, " + ", ".join(
+                n.removeprefix("rollout stream, ") for n in names)
+            await self.runner.generate(self.client, [f.samples for f in flights], seeds, [f.rids for f in flights],
+                                       what, names, is_cut=lambda k: flights[k].cut is not None)
             for flight in flights:
                 cut_short = any(s.status == "aborted" for s in flight.samples)
                 if flight.cut == "pause" and not cut_short:
                     flight.cut = None  # our abort came after it finished: it is done
                 if flight.cut is None:
-                    await self._judge(flight, cut_short)
+                    await self._judge(flight)
         except Exception as err:  # noqa: BLE001 - take() raises it in the manager, naming the group
             self.error = err
         finally:
@@ -263,12 +282,8 @@ class RolloutStream:
             self.changed.set()
             self._fill()
 
-    async def _judge(self, flight: Flight, engine_aborted: bool) -> None:
-        if engine_aborted:  # the engine gave up on it (its request timeout)
-            self.counts["dropped/aborted_by_engine"] += 1
-            return
-        await asyncio.wait_for(self.score(flight.samples), self.s.timeout_s)
-        kept, reason = self.keep(flight.samples)
+    async def _judge(self, flight: Flight) -> None:
+        kept, reason = await self.runner.judge(flight.samples, cut_by_us=False)
         if kept:
             self.ready.append(flight)
         else:
@@ -310,7 +325,7 @@ class RolloutStream:
             left = self.s.timeout_s - (time.perf_counter() - start)
             try:
                 await asyncio.wait_for(self.changed.wait(), max(left, 0.0))
-            except TimeoutError:
+            except TIMEOUTS:
                 self.trainer_waits = False
                 raise StreamTimeout(
                     f"rollout {rollout_id}: waited {self.s.timeout_s:.0f}s for {self.s.need} groups at most "
@@ -350,7 +365,7 @@ class RolloutStream:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), 0.2)
-            except TimeoutError:
+            except TIMEOUTS:
                 pass
 
     async def _resume(self, version: int) -> None:
@@ -366,9 +381,7 @@ class RolloutStream:
         self._fill()
 
     async def _abort(self, flights: list[Flight]) -> None:
-        rids = [rid for f in flights for rid in f.rids]
-        if rids:
-            await self.fleet.abort(self.client, rids)
+        await self.runner.abort(self.client, [rid for f in flights for rid in f.rids])
 
     async def _state(self) -> dict:
         def restart(f: Flight) -> Flight:  # generating now: saved as its prompt, generated again on resume
@@ -391,7 +404,8 @@ def staleness_metrics(groups: list[Group], rollout_id: int) -> dict[str, float]:
     behind: Counter = Counter()
     for s in (s for g in groups for s in g):
         for version, n in zip(s.weight_versions, s.span_lengths):
-            behind[rollout_id - version] += n
+            if version >= 0:  # -1: tokens inserted before any policy reply
+                behind[rollout_id - version] += n
     total = sum(behind.values())
     if not total:
         return {}
