@@ -403,3 +403,33 @@ def test_server_limits_are_validated_naming_the_field():
     assert "server.max_queued_requests" in _error(_raw(server={"max_queued_requests": 0}))
     err = _error(_raw(cluster={"router": "sglang_router"}, server={"require_key_for_generate": True}))
     assert "server.require_key_for_generate" in err
+
+
+def test_the_config_loads_and_validates_without_torch():
+    # --dry-run and every launcher read the config first: it must not pay for (or need) torch.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from tether.config import load_config\n"
+            "for recipe in ('arithmetic/grpo.yaml', 'calculator/grpo.yaml', 'reasoning_gym/grpo.yaml'):\n"
+            "    load_config(f'recipes/{recipe}', ['algorithm.policy_loss=gspo', 'algorithm.advantage_estimator=gae',\n"
+            "                                      'algorithm.kl_in_reward_coef=0.1'])\n"
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_names_the_config_checks_are_the_registered_ones():
+    import typing
+
+    from tether.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from tether.algorithms.losses import POLICY_LOSSES
+    from tether.algorithms.names import NEEDS_VALUES, POLICY_LOSS_NAMES, TOKEN_LEVEL
+    from tether.config import AlgorithmConfig
+
+    assert set(POLICY_LOSSES) == set(POLICY_LOSS_NAMES)
+    estimators = set(typing.get_args(AlgorithmConfig.model_fields["advantage_estimator"].annotation))
+    assert estimators == set(ADVANTAGE_ESTIMATORS) and TOKEN_LEVEL | NEEDS_VALUES <= estimators

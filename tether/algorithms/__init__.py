@@ -3,43 +3,27 @@
 Nothing here knows about Ray, configs or distributed state; every function is
 a pure function of tensors, and loss/advantage functions return
 ``(value, metrics)`` with ``metrics`` a ``dict[str, float]`` of detached numbers.
+
+The names below load on first use, so that ``tether.algorithms.names`` (what the config validates
+against) imports without torch.
 """
 
-from tether.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageParams,
-    Advantages,
-    get_advantage_estimator,
-)
-from tether.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_estimate
-from tether.algorithms.logprobs import entropy_from_logits, token_logprobs
-from tether.algorithms.losses import (
-    POLICY_LOSSES,
-    LossInputs,
-    LossParams,
-    get_policy_loss,
-    policy_objective,
-    ppo_clip_loss,
-    sft_loss,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "KL_ESTIMATORS",
-    "POLICY_LOSSES",
-    "LossInputs",
-    "LossParams",
-    "AdvantageInputs",
-    "AdvantageParams",
-    "Advantages",
-    "entropy_from_logits",
-    "get_advantage_estimator",
-    "get_kl_estimator",
-    "get_policy_loss",
-    "kl_estimate",
-    "policy_objective",
-    "ppo_clip_loss",
-    "sft_loss",
-    "token_logprobs",
-]
+import importlib
+
+_WHERE = {
+    "ADVANTAGE_ESTIMATORS": "advantages", "AdvantageInputs": "advantages", "AdvantageParams": "advantages",
+    "Advantages": "advantages", "get_advantage_estimator": "advantages",
+    "KL_ESTIMATORS": "kl", "get_kl_estimator": "kl", "kl_estimate": "kl",
+    "entropy_from_logits": "logprobs", "token_logprobs": "logprobs",
+    "POLICY_LOSSES": "losses", "LossInputs": "losses", "LossParams": "losses", "get_policy_loss": "losses",
+    "policy_objective": "losses", "ppo_clip_loss": "losses", "sft_loss": "losses",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tether.algorithms' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tether.algorithms.{_WHERE[name]}"), name)

@@ -28,6 +28,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
+from tether.algorithms.names import NEEDS_VALUES, TOKEN_LEVEL  # noqa: F401 - re-exported
 import torch
 from torch import Tensor
 
@@ -229,10 +230,6 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "gae": gae_advantages,
 }
-TOKEN_LEVEL = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gae"})
-"""Estimators with per-token rewards: the only ones a KL penalty in the reward applies to."""
-NEEDS_VALUES = frozenset({"gae"})
-"""Estimators that need a critic."""
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:
