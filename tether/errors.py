@@ -6,6 +6,13 @@ catch them without importing the training stack.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+"""What a timed-out wait raises: on Python 3.10, asyncio.wait_for and Future.result raise their own
+classes, which 3.11 made the builtin TimeoutError. Catch this tuple, not TimeoutError alone."""
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or inconsistent; the message names the field."""

@@ -1,4 +1,4 @@
-"""The synchronous RL loop, in the order DESIGN.md gives. It takes its parts as handles; its pieces
+"""The synchronous RL loop, one step after another as below. It takes its parts as handles; its pieces
 (begin, save, push_eval_log) also make up the one-step-off loop in loop_async.py.
 
     generate(k) -> [offload engines] -> train(k) -> [save] -> [offload trainer, onload weights]

@@ -186,3 +186,19 @@ def test_the_heartbeat_marks_frozen_and_dead_engines_lost_and_busy_ones_not(serv
         assert set(router.lost()) == {frozen, dead} and "ConnectError" in router.lost()[dead]
     finally:
         watch.close()
+
+
+class Broken(Answers):
+    status = 500
+
+
+def test_an_engine_error_or_timeout_names_the_engine(servers):
+    async def send(fleet):
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            await fleet.send(client, PAYLOAD, "rollout 0")
+
+    broken, frozen = servers(Broken), servers(Frozen)
+    with pytest.raises(GenerationError, match=f"rollout 0: {broken}/generate answered 500"):
+        asyncio.run(send(EngineFleet([broken], 60)))
+    with pytest.raises(GenerationError, match=f"rollout 0: no answer from {frozen}/generate within"):
+        asyncio.run(send(EngineFleet([frozen], 0.5)))

@@ -34,6 +34,7 @@ from tether.engine.protocol import (
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http_server import ThreadedServer
 from tether.weight_sync.group import DTYPES, GroupJoiner, JoinError, Receiver
+from tether.errors import TIMEOUTS
 
 MAX_CONCURRENT_REQUESTS = 512
 
@@ -65,7 +66,7 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
             return [(req, req.future.result(timeout=request_timeout_s)) for req in reqs]
         except EngineError as err:
             raise HTTPException(status_code=503, detail=str(err)) from None
-        except TimeoutError:
+        except TIMEOUTS:
             for req in reqs:
                 core.abort(req.rid)
             raise HTTPException(status_code=504, detail=f"generation of {len(reqs)} request(s) took over "

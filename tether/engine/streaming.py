@@ -24,6 +24,7 @@ from tether.engine.core import EngineCore, Request
 from tether.engine.generate import GenerateOutput
 from tether.engine.protocol import openai_usage
 from tether.engine.sampling import SamplingParams
+from tether.errors import TIMEOUTS
 
 DONE = "data: [DONE]\n\n"
 Tokens = tuple[list[int], list[float]]
@@ -93,7 +94,7 @@ def sse(events: AsyncIterator[str], timeout_s: float) -> StreamingResponse:
         try:
             async for item in events:
                 yield item
-        except TimeoutError:
+        except TIMEOUTS:
             yield event({"error": {"message": f"generation took over {timeout_s}s; aborted", "code": 504}})
         except Exception as err:  # the engine step failed: say why in the stream
             yield event({"error": {"message": f"generation failed: {type(err).__name__}: {err}", "code": 500}})

@@ -26,6 +26,7 @@ from tether.rewards.loader import (RewardError, RewardLoadError, compute_rewards
 from tether.rewards.remote import RemoteReward, is_remote
 from tether.rewards.signature import is_async, resolve
 from tether.sample import Sample
+from tether.errors import TIMEOUTS
 
 
 class Scorer:
@@ -53,7 +54,7 @@ class Scorer:
         else:
             try:
                 values = await asyncio.wait_for(self._local(samples), self.timeout_s)
-            except TimeoutError:
+            except TIMEOUTS:
                 s = samples[0]
                 raise RewardError(f"{self.field} '{self.spec}' did not return within rollout.reward_timeout_s="
                                   f"{self.timeout_s:g}s for the group of rollout {s.rollout_id}, prompt_index="

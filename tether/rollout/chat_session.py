@@ -147,10 +147,10 @@ class ChatSession:
                                   max_retries=0, **options)
 
     async def __aenter__(self) -> ChatSession:
-        from tether.rollout.chat_server import ChatServer
-
+        if self._server is None:
+            raise RuntimeError("a ChatSession needs the chat server that routes its agent's requests "
+                               "(ctx.chat_session gives it)")
         self.loop = asyncio.get_running_loop()
-        self._server = self._server or ChatServer.shared()
         self._server.add(self)  # a sample carried over by partial rollout starts over at its first turn
         return self
 

@@ -39,7 +39,8 @@ class GenerationError(RuntimeError):
     pass
 
 
-def _url(err: httpx.TransportError) -> str:
+def _url(err: httpx.HTTPError) -> str:
+    """The engine a failed request went to (its /generate URL)."""
     try:
         return str(err.request.url)
     except RuntimeError:  # httpx raises when the error carries no request
@@ -98,9 +99,10 @@ class EngineFleet:
             try:
                 return await self.router.generate_async(client, payload)
             except httpx.HTTPStatusError as err:
-                raise GenerationError(f"{what}: engine answered {err.response.status_code}: {err.response.text}") from None
+                raise GenerationError(f"{what}: {_url(err)} answered {err.response.status_code}: "
+                                      f"{err.response.text}") from None
             except httpx.TimeoutException as err:
-                raise GenerationError(f"{what}: no answer from an engine within {self.timeout_s:.0f}s ({err!r})") from None
+                raise GenerationError(f"{what}: no answer from {_url(err)} within {self.timeout_s:.0f}s ({err!r})") from None
             except NoHealthyWorker as err:
                 raise GenerationError(f"{what}: {err}") from None
             except (httpx.TransportError, EngineLost) as err:

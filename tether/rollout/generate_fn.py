@@ -129,10 +129,11 @@ class GenerateContext:
         (tether/rollout/chat_session.py). ``tool_parser``: "hermes", a module:fn / file.py:fn spec, or a
         callable from reply text to (content, [{"name", "arguments"}]); ``chat_template`` overrides the
         tokenizer's."""
+        from tether.rollout.chat_server import ChatServer  # FastAPI: loaded by the runs that chat
         from tether.rollout.chat_session import ChatSession
 
         return ChatSession(self, sample, sampling_params, tools=tools, tool_parser=tool_parser,
-                           chat_template=chat_template)
+                           chat_template=chat_template, server=ChatServer.shared())
 
     def insert(self, sample: Sample, content: str | list[int]) -> list[int]:
         """Append inserted tokens (text is tokenized without special tokens): in the input of later turns,

@@ -21,6 +21,8 @@ import torch
 from tether.http_client import engine_headers, sync_client
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
 from tether.weight_sync.group import DTYPE_NAMES, join_group, leave_group
+from tether.errors import TIMEOUTS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -64,7 +66,7 @@ class DistributedSender(WeightSender):
         try:
             for call in calls:
                 call.result(timeout=self.timeout_s)
-        except TimeoutError:
+        except TIMEOUTS:
             raise TimeoutError(f"timed out after {self.timeout_s:.0f}s waiting for {what}") from None
 
     def _bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> float:
