@@ -1,6 +1,6 @@
 """Synchronous, one-step-off and fully asynchronous training on the quickstart, one run after another.
 
-    python bench/async.py                     # the six layouts below, 40 rollouts each (~4 min)
+    python bench/async.py                     # the eight layouts below, 40 rollouts each (~6 min)
     python bench/async.py --rollouts 20 --only sync-colocated,fully-async-k2
     python bench/async.py --show              # the table of the last runs, without running
 
@@ -15,6 +15,10 @@ rollout, so the same number of samples for each) from the quickstart's SFT model
     fully-async-k2   the same with max_staleness=2
     fully-async-k2-tis   and with algorithm.rollout_correction=token_clip (truncated importance
                      sampling against the engine's log-probs, which are up to 2 versions old)
+    sync-dapo        sync-colocated with DAPO's dynamic sampling: groups whose 8 rewards are all
+                     equal are dropped (rollout.dynamic_filter=nonzero_reward_std), 48 groups
+                     started per 32 kept (rollout.over_sampling_groups=48)
+    fully-async-k2-dapo  the same filter and over-sampling in the fully asynchronous stream
 
 Prints, per layout: the wall time of the training loop (after the first weight push and the eval at
 step 0, to after the last row), samples trained per second over that time, the median seconds per
@@ -47,6 +51,9 @@ LAYOUTS = {
     "fully-async-k2": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async"],
     "fully-async-k2-tis": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async",
                            "algorithm.rollout_correction=token_clip"],
+    "sync-dapo": ["rollout.dynamic_filter=nonzero_reward_std", "rollout.over_sampling_groups=48"],
+    "fully-async-k2-dapo": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async",
+                            "rollout.dynamic_filter=nonzero_reward_std", "rollout.over_sampling_groups=48"],
 }
 
 
