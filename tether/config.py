@@ -329,8 +329,9 @@ class TrackingConfig(Section):
     """Log to Weights & Biases (needs the wandb extra)."""
     wandb_project: str = "tether"
     """W&B project."""
-    wandb_mode: Literal["online", "offline"] = "offline"
-    """W&B mode; offline writes locally for a later `wandb sync`."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; None lets W&B decide as it always does (WANDB_MODE, else online when logged in);
+    offline writes locally for a later `wandb sync`."""
     console: bool = True
     """Print one line per rollout."""
 

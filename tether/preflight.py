@@ -4,6 +4,7 @@ data (reasoning_gym: sections) is written here first, so that every later step s
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from tether.config import TetherConfig
@@ -44,5 +45,20 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
         if target.endswith(".py") and not Path(target).is_file():
             problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
                             "against the file's folder, one in an override against the working directory)")
+    problems += missing_packages(cfg)
     if problems:
         raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
+
+
+OPTIONAL = {  # field set -> (the module it imports, what installs it)
+    "tracking.wandb=true": ("wandb", "pip install 'wandb>=0.17'"),
+    "cluster.router=sglang_router": ("sglang_router", "pip install 'sglang-router>=0.3'"),
+}
+
+
+def missing_packages(cfg: TetherConfig) -> list[str]:
+    """Optional packages the config asks for and this environment lacks, each with its install command:
+    found here, not when the process that imports it starts a minute later."""
+    asked = {"tracking.wandb=true": cfg.tracking.wandb, "cluster.router=sglang_router": cfg.cluster.router == "sglang_router"}
+    return [f"  {field}: needs the '{module}' package, which is not installed here: {install}"
+            for field, (module, install) in OPTIONAL.items() if asked[field] and importlib.util.find_spec(module) is None]

@@ -433,3 +433,23 @@ def test_the_names_the_config_checks_are_the_registered_ones():
     assert set(POLICY_LOSSES) == set(POLICY_LOSS_NAMES)
     estimators = set(typing.get_args(AlgorithmConfig.model_fields["advantage_estimator"].annotation))
     assert estimators == set(ADVANTAGE_ESTIMATORS) and TOKEN_LEVEL | NEEDS_VALUES <= estimators
+
+
+def test_an_optional_package_the_config_needs_is_named_before_anything_starts(tmp_path, monkeypatch):
+    import importlib.util
+
+    from tether.preflight import check_inputs
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = config_from_dict({"model": {"path": str(tmp_path / "m")}, "data": {"path": str(tmp_path / "d.jsonl")},
+                            "tracking": {"wandb": True}, "cluster": {"router": "sglang_router"}})
+    check_inputs(cfg, "train")  # both installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "sglang_router")
+                        else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        check_inputs(cfg, "train")
+    text = str(err.value)
+    assert "tracking.wandb=true: needs the 'wandb' package" in text and "pip install 'wandb>=0.17'" in text
+    assert "cluster.router=sglang_router: needs the 'sglang_router' package" in text

@@ -147,7 +147,7 @@ def test_wandb_offline_run_directory(tmp_path: Path) -> None:
 
 def test_wandb_missing_gives_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install tether\[wandb\]"):
+    with pytest.raises(ImportError, match=r"pip install .wandb>=0.17."):
         _tracker(tmp_path / "run", wandb=True)
 
 

@@ -82,7 +82,7 @@ def _import_wandb() -> Any:
     except ImportError as exc:
         raise ImportError(
             "Weights & Biases tracking was requested (wandb=True) but the 'wandb' package "
-            "is not installed. Install it with: pip install tether[wandb]"
+            "is not installed. Install it with: pip install 'wandb>=0.17'"
         ) from exc
     return wandb
 
@@ -106,7 +106,7 @@ class Tracker:
         tensorboard: bool = True,
         wandb: bool = False,
         wandb_project: str = "tether",
-        wandb_mode: str = "offline",
+        wandb_mode: str | None = None,
         console: bool = True,
         resume_run_id: str | None = None,
         step_label: str = "rollout",
@@ -158,7 +158,7 @@ class Tracker:
         # A short flush interval so curves show up in a live TensorBoard during the run.
         return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), flush_secs=10)
 
-    def _open_wandb(self, wandb: Any, project: str, mode: str, config: Mapping[str, Any]) -> Any:
+    def _open_wandb(self, wandb: Any, project: str, mode: str | None, config: Mapping[str, Any]) -> Any:
         return wandb.init(
             project=project,
             name=self.run_name,
