@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     serve.add_argument("--vllm-python", help="the Python of vLLM's environment (default: tether's)")
     serve.add_argument("--log-dir", default="engine_logs", help="where a vLLM server's log goes")
     serve.add_argument("--require-key-for-generate", action="store_true",
@@ -125,11 +125,23 @@ def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow options (`--load DIR rollout.num_rollout=36`), which argparse leaves over.
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = list(args.overrides) + late
+        extra = [a for a in extra if a not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "export":
         from tether.export import export_checkpoint
 
-        print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+        try:
+            print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+        except (FileNotFoundError, ValueError) as err:  # no checkpoint there; a foreign or partial one
+            print(f"tether: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "import-gguf":
         from tether.gguf_import import main as import_main

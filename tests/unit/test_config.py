@@ -342,6 +342,17 @@ def test_cli_load_sets_checkpoint_load(recipe, tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["checkpoint"]["load"] == str(ckpt)
 
 
+def test_cli_overrides_may_follow_options(recipe, tmp_path, capsys):
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert main(["train", "--config", str(recipe), "seed=3", "--load", str(ckpt), "rollout.num_rollout=36",
+                 "--dry-run"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert (out["seed"], out["rollout"]["num_rollout"], out["checkpoint"]["load"]) == (3, 36, str(ckpt))
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(recipe), "--load", str(ckpt), "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["run #3", "2024"])
 def test_cli_load_keeps_the_path_verbatim(recipe, tmp_path, capsys, name):
     ckpt = str(tmp_path / name) if name.startswith("run") else name
@@ -453,3 +464,11 @@ def test_an_optional_package_the_config_needs_is_named_before_anything_starts(tm
     text = str(err.value)
     assert "tracking.wandb=true: needs the 'wandb' package" in text and "pip install 'wandb>=0.17'" in text
     assert "cluster.router=sglang_router: needs the 'sglang_router' package" in text
+
+
+def test_cli_export_and_serve_name_bad_input_without_a_traceback(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "neither a checkpoint nor a directory holding a complete one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(tmp_path), "--dtype", "float16"])
+    assert "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
