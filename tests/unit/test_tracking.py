@@ -286,3 +286,20 @@ def test_warnings_stand_out_and_reach_the_summary(tmp_path: Path, capsys: pytest
     assert saved["warnings"][1]["message"].startswith("all 16 rewards")
     box = format_summary(summary)
     assert "WARNINGS (2); the full texts are in summary.json" in box and "step 1: all 16 rewards" in box
+
+
+def test_plot_panels_keep_a_01_reward_in_range_and_show_the_constant_answer() -> None:
+    from matplotlib.figure import Figure
+
+    from tether.tracking.plot import _panel_eval, _panel_reward
+
+    rows = [{"step": k, "rollout/reward_mean": 0.2 + 0.1 * k, "rollout/reward_std": 0.45,
+             "eval/add2/score": 0.3 + 0.2 * k, "eval/add2/constant_answer_score": 0.05} for k in range(3)]
+    reward, evals = Figure().subplots(1, 2)
+    _panel_reward(reward, rows)
+    _panel_eval(evals, rows)
+    lows = [min(line.get_ydata()) for line in reward.get_lines()]
+    assert not reward.collections and min(lows) >= 0  # no mean +- std band below 0
+    labels = [line.get_label() for line in evals.get_lines()]
+    assert labels == ["add2", "add2: one constant answer"]
+    assert list(evals.get_lines()[1].get_ydata()) == [0.05] * 3

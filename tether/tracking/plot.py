@@ -74,12 +74,11 @@ def _marker(xs: list[float]) -> str | None:
 def _panel_reward(ax: Any, rows: list[Row]) -> None:
     xs, ys = _series(rows, _REWARD)
     ax.plot(xs, ys, marker=_marker(xs), label="reward mean")
-    std_by_step = dict(zip(*_series(rows, _REWARD_STD)))
-    band = [(x, y, std_by_step[x]) for x, y in zip(xs, ys) if x in std_by_step]
-    if band:
-        bx = [b[0] for b in band]
-        ax.fill_between(bx, [y - s for _, y, s in band], [y + s for _, y, s in band],
-                        alpha=0.25, label="± std")
+    # The spread as its own line: a mean +- std band of a 0/1 reward runs below 0 and above 1 and
+    # hides the mean it surrounds.
+    sx, sy = _series(rows, _REWARD_STD)
+    if sx:
+        ax.plot(sx, sy, marker=_marker(sx), linestyle="--", alpha=0.7, label="reward std")
     ax.set_title("Rollout reward")
     ax.set_ylabel("reward")
 
@@ -87,8 +86,13 @@ def _panel_reward(ax: Any, rows: list[Row]) -> None:
 def _panel_eval(ax: Any, rows: list[Row]) -> None:
     # Eval runs only every k rollouts, so markers make the sparse points visible.
     for key in _eval_score_keys(rows):
+        name = key.split("/")[1]
         xs, ys = _series(rows, key)
-        ax.plot(xs, ys, marker="o", label=key.split("/")[1])
+        line = ax.plot(xs, ys, marker="o", label=name)[0]
+        # The best score of always giving one answer: a score above it is skill, not a collapse.
+        cx, cy = _series(rows, f"eval/{name}/constant_answer_score")
+        if cx:
+            ax.plot(cx, cy, linestyle=":", color=line.get_color(), label=f"{name}: one constant answer")
     ax.set_title("Eval score")
     ax.set_ylabel("score")
 
@@ -135,8 +139,9 @@ def _panels(rows: list[Row]) -> list[Any]:
     return panels
 
 
-def plot_rows(rows: list[Row], out_png: str | Path, *, title: str | None = None) -> Path:
-    """Plot already-loaded metric rows (see ``read_metrics``) to a PNG file."""
+def plot_rows(rows: list[Row], out_png: str | Path, *, title: str | None = None, step_label: str = "rollout") -> Path:
+    """Plot already-loaded metric rows (see ``read_metrics``) to a PNG file; ``step_label`` names the x
+    axis ("rollout", "sft step")."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -149,7 +154,7 @@ def plot_rows(rows: list[Row], out_png: str | Path, *, title: str | None = None)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, paint in zip(axes, panels):
         paint(ax, rows)
-        ax.set_xlabel("rollout step")
+        ax.set_xlabel(step_label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -294,7 +294,7 @@ class Tracker:
         """Render curves.png; a plotting failure must not cost the run its summary."""
         try:
             return str(plot_rows(self._all_rows(), self.output_dir / "curves.png",
-                                 title=self.run_name))
+                                 title=self.run_name, step_label=self.step_label))
         except Exception as exc:  # noqa: BLE001 - reported, then the run finishes normally
             print(f"[tether.tracking] could not plot curves: {exc!r}", file=sys.stderr)
             return None
