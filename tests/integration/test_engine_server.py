@@ -106,6 +106,23 @@ def test_stop_strings_and_stop_tokens(client):
     assert out["output_ids"][-1] == token and out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+def test_pause_in_abort_mode_aborts_the_running_requests(client):
+    # SGLang's pause modes: abort stops what runs (its default); in_place holds it (tether's choice).
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(out=gen(client, [5, 6], max_new_tokens=60, ignore_eos=True)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while client.get("/get_load").json()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        assert client.post("/pause_generation", json={"mode": "abort"}).json()["success"]
+        t.join(timeout=30)
+        assert holder["out"]["meta_info"]["finish_reason"]["type"] == "abort" and len(holder["out"]["output_ids"]) < 60
+        assert client.post("/pause_generation", json={"mode": "hold"}).status_code == 422
+    finally:
+        client.post("/continue_generation", json={})
+
+
 def test_abort_and_pause_continue(client, server):
     assert client.post("/pause_generation").json()["success"]
     holder = {}

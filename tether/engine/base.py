@@ -35,7 +35,7 @@ HTTP_CONTRACT = {
     "GET /get_model_info": "{model_path, weight_version}",
     "GET /get_load": "load and counters (optional fields)",
     "POST /abort_request": "{rid} or {abort_all: true}: the aborted requests answer with their partial output",
-    "POST /pause_generation": "running requests hold (their KV kept) until /continue_generation",
+    "POST /pause_generation": "{mode: in_place}: running requests hold (their KV kept) until /continue_generation {}",
     "POST /continue_generation": "held requests go on",
     "POST /release_memory_occupation": "{tags}: free weights and/or KV cache",
     "POST /resume_memory_occupation": "{tags}: reallocate them (released weights come back with the next push)",

@@ -147,8 +147,13 @@ class EngineCore:
             self._aborted.update(running)
         return len(hit) + len(running)
 
-    def pause(self) -> None:
-        """Hold generation in place (running batches stop before their next step) until resume."""
+    def pause(self, abort: bool = False) -> None:
+        """Hold generation in place (running batches stop before their next step) until resume;
+        ``abort``: end every waiting and running request first (their partial outputs, finish reason
+        abort), as SGLang's default pause mode does."""
+        if abort:
+            self.abort(None)  # the waiting ones at once
+            self.exclusive(lambda: self._resolve(self.batcher.abort_all()))  # the running ones, now
         with self._cond:
             self._paused = True
 

@@ -119,6 +119,14 @@ class TagsIn(Strict):
     tags: list[str] | None = None
 
 
+class PauseIn(Strict):
+    """/pause_generation as SGLang takes it. in_place (and retract, the same to a client): running
+    requests hold and continue at /continue_generation; abort: they are aborted first. SGLang's own
+    default is abort; tether always sends in_place, and without a body this engine holds."""
+
+    mode: Literal["abort", "retract", "in_place"] = "in_place"
+
+
 class AbortIn(Strict):
     rid: str | None = None
     abort_all: bool = False

@@ -28,7 +28,7 @@ from tether.engine.embedded import EngineError
 from tether.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
 from tether.engine.protocol import (
-    AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
+    AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, PauseIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, include_usage, openai_usage, response,
 )
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
@@ -139,8 +139,8 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
         return {"success": True, "aborted": core.abort(None if body.abort_all else body.rid)}
 
     @app.post("/pause_generation")
-    def pause() -> dict:
-        core.pause()
+    def pause(body: PauseIn | None = None) -> dict:
+        core.pause(abort=body is not None and body.mode == "abort")
         return {"success": True}
 
     @app.post("/continue_generation")
