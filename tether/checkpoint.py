@@ -167,7 +167,17 @@ def rng_state() -> dict[str, torch.Tensor]:
             "python_gauss": torch.tensor([version, float("nan") if gauss is None else gauss], dtype=torch.float64),
             "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
             "numpy_rest": torch.tensor([pos, has_gauss, cached], dtype=torch.float64),
-            "torch": torch.get_rng_state()}
+            "torch": torch.get_rng_state(), **_cuda_rng()}
+
+
+CUDA = torch.cuda  # the generator's home, one name (tests stand a fake GPU in for it)
+
+
+def _cuda_rng() -> dict[str, torch.Tensor]:
+    """The current CUDA device's generator (dropout on GPU draws from it), once CUDA is in use."""
+    if CUDA.is_available() and CUDA.is_initialized():
+        return {"cuda": CUDA.get_rng_state()}
+    return {}
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
@@ -176,6 +186,8 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     pos, has_gauss, cached = state["numpy_rest"].tolist()
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and CUDA.is_available():  # a CPU run resumed on a GPU keeps CUDA's seeded stream
+        CUDA.set_rng_state(state["cuda"])
 
 
 class TrainerState(Stateful):
@@ -244,7 +256,13 @@ def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world
         parts["critic"] = _critic_state(critic, rank)
     request = {name: part.request() for name, part in parts.items()}
     reader = SafeReader(str(path / "train"))
-    reader.read_metadata()  # refuses unsafe metadata here, with its own error rather than DCP's wrapped one
+    # read_metadata refuses unsafe metadata here, with its own error rather than DCP's wrapped one.
+    saved = set(reader.read_metadata().state_dict_metadata)
+    for name, part in request.items():  # RNG streams the saving run did not have (CUDA's, saved on CPU)
+        for key, streams in part.items():
+            if key.startswith("rng_rank"):
+                for stream in [s for s in streams if f"{name}.{key}.{s}" not in saved]:
+                    del streams[stream]
     dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner())
     for name, part in parts.items():
         part.load_state_dict(request[name])

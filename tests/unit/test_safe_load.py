@@ -90,3 +90,37 @@ def test_a_value_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(UnsafeCheckpoint, match="train.scheduler.last_epoch"):
         planner.load_bytes(Item, buf)
     assert not marker.exists()
+
+
+class _FakeCuda:
+    """torch.cuda's generator calls, as a GPU process would see them (none can run here)."""
+
+    def __init__(self, monkeypatch, state: int):
+        import tether.checkpoint
+
+        self.state, self.restored = torch.full((16,), state, dtype=torch.uint8), []
+        monkeypatch.setattr(tether.checkpoint, "CUDA", self)
+
+    def is_available(self) -> bool:
+        return True
+
+    is_initialized = is_available
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self.state.clone()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.restored.append(state.clone())
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [("gpu", "gpu"), ("cpu", "gpu"), ("gpu", "cpu")])
+def test_the_cuda_generator_is_checkpointed_where_there_is_one(tmp_path, saved_on, loaded_on):
+    with pytest.MonkeyPatch.context() as mp:
+        if saved_on == "gpu":
+            _FakeCuda(mp, 7)
+        save_trainer(tmp_path, *_trainer(0), rank=0)
+    with pytest.MonkeyPatch.context() as mp:
+        cuda = _FakeCuda(mp, 9) if loaded_on == "gpu" else None
+        load_trainer(tmp_path, *_trainer(1), rank=0, saved_world_size=1)
+    if cuda is not None:  # restored when saved; a CPU run's checkpoint leaves CUDA's seeded stream alone
+        assert [s.tolist() for s in cuda.restored] == ([[7] * 16] if saved_on == "gpu" else [])
