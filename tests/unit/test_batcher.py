@@ -9,7 +9,7 @@ import torch
 
 from tether.batch import TrainBatch
 from tether.engine.batcher import ContinuousBatcher
-from tether.engine.generate import generate_batch
+from tests.reference_generate import generate_batch
 from tether.engine.kernels import pack_linears
 from tether.engine.sampling import SamplingParams
 from tether.tiny import build_char_tokenizer, build_tiny_model

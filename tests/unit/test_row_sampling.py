@@ -8,7 +8,8 @@ import torch
 
 from tether.algorithms.logprobs import token_logprobs
 from tether.engine.row_sampling import BLOCK, TOP_P_CANDIDATES, filter_rows, inverse_cdf, row_uniform, sample_rows
-from tether.engine.sampling import SamplingParams, filter_logits_rows
+from tests.reference_generate import filter_logits_rows
+from tether.engine.sampling import SamplingParams
 
 
 def _frequencies(logits_row: torch.Tensor, params: SamplingParams, n: int = 20000) -> torch.Tensor:

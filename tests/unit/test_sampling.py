@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from tether.algorithms.logprobs import token_logprobs
-from tether.engine.generate import GenerateOutput, generate_batch, make_generators
-from tether.engine.sampling import (SamplingParams, filter_logits, filter_logits_rows, filter_min_p,
-                                    sample_next)
+from tests.reference_generate import (filter_logits, filter_logits_rows, filter_min_p, generate_batch, make_generators,
+                                      sample_next)
+from tether.engine.generate import GenerateOutput
+from tether.engine.sampling import SamplingParams
 from tether.tiny import build_tiny_model
 from tether.hf import load_model
 

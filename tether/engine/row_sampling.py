@@ -16,7 +16,7 @@ only each row's most likely ``TOP_P_CANDIDATES`` tokens, falling back to a full 
 nucleus is wider than that. Greedy rows take the argmax.
 
 Reported log-probs are those of softmax(logits / temperature) before filtering (greedy rows: at
-temperature 1), as `sampling.sample_next` reports them and the trainer recomputes them.
+temperature 1), as the trainer recomputes them (and the reference sampler in tests/reference_generate.py reports them).
 """
 
 from __future__ import annotations
