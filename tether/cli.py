@@ -18,6 +18,7 @@ import sys
 
 from tether.config import ConfigError, TetherConfig, dump_config, load_config
 from tether.preflight import check_inputs
+from tether.run_dir import stopped_message
 from tether.errors import CheckpointSaveError, EngineDiedError, NonFiniteError, RemoteTimeout, TrainerDiedError
 from tether.rollout.prompt_format import DatasetError
 
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tether: {err}", file=sys.stderr)
             return 2
         return 0
+    cfg: TetherConfig | None = None
     try:
         cfg = _load(args)
         if args.dry_run:
@@ -185,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[tether] data.skip_bad_rows: {len(skipped)} bad row(s) will be skipped, e.g.\n  "
                       + "\n  ".join(skipped[:5]), file=sys.stderr)
         _run(args, cfg)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM once Ray runs (cluster.start_ray)
+        how = "SIGTERM" if str(err) == "SIGTERM" else "Ctrl-C"
+        if args.command in ("train", "sft") and cfg is not None:
+            print(f"\ntether: {stopped_message(how, args.command, args.config, cfg.checkpoint_dir)}", file=sys.stderr)
+        return 130
     except (ConfigError, DatasetError) as err:  # also a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2

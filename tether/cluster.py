@@ -12,6 +12,8 @@ a run never hangs silently.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import re
 import time
 from pathlib import Path
@@ -36,10 +38,27 @@ def wait(refs: Any, timeout_s: float, what: str) -> Any:
         raise RemoteTimeout(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, turned into what Ctrl-C raises: the run unwinds (actors stop, the tracker closes)."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped("SIGTERM")
+
+
 def start_ray(cfg: ClusterConfig, num_bundles: int) -> None:
-    """Join RAY_ADDRESS / cfg.ray_address when given, otherwise start a local Ray."""
+    """Join RAY_ADDRESS / cfg.ray_address when given, otherwise start a local Ray. Afterwards SIGTERM
+    stops the run as Ctrl-C does (Ray's own handler would print a native stack dump and exit)."""
     if ray.is_initialized():
         return
+    try:
+        _init_ray(cfg, num_bundles)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _stop)
+
+
+def _init_ray(cfg: ClusterConfig, num_bundles: int) -> None:
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=True)

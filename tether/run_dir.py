@@ -72,3 +72,13 @@ def claim(output_dir: str | Path, checkpoint_dir: str | Path | None, *, overwrit
         if (ckpt / "latest").exists():
             (ckpt / "latest").unlink()
     return removed
+
+
+def stopped_message(how: str, command: str, config_path: str | None, checkpoint_dir: Path) -> str:
+    """What a run stopped from outside (Ctrl-C, SIGTERM) says: where it can go on from."""
+    ckpts = checkpoints_in(checkpoint_dir)
+    if not ckpts:
+        return f"stopped by {how} before any checkpoint was complete; a new run starts from the beginning"
+    config = f"--config {config_path} " if config_path else ""
+    return (f"stopped by {how}; the latest complete checkpoint is {ckpts[-1]}\n"
+            f"to resume:  tether {command} {config}--load {checkpoint_dir}")

@@ -310,3 +310,23 @@ def test_a_killed_trainer_is_auto_resumed_to_the_same_weights(straight, tiny_mod
     assert_same_weights(weights(tmp / "auto"), weights(out))
     steps = [json.loads(line)["step"] for line in (tmp / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(NUM_ROLLOUT + 1))
+
+
+def test_sigterm_stops_a_run_cleanly_with_the_resume_command(tiny_model_dir, addition_data, tmp_path):
+    import signal
+    import time
+
+    config = write_config(tmp_path, tiny_model_dir, addition_data, "stopped", rollout={"num_rollout": 500})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "train", "--config", str(config)], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpts = tmp_path / "stopped" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while find_latest(ckpts) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "tether: stopped by SIGTERM; the latest complete checkpoint is" in err
+    assert f"to resume:  tether train --config {config} --load {ckpts}" in err
+    assert "SIGTERM received" not in err  # Ray's native stack dump
