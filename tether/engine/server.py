@@ -12,7 +12,6 @@ anyio's threads for the async ones), so concurrent clients batch together in the
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -20,20 +19,19 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, HTTPException
-from safetensors.torch import load as load_safetensors
 
-from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
 from tether.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
+from tether.engine.payloads import PayloadError, bucket_tensors, check_distributed, memory_tags
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, PauseIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, include_usage, openai_usage, response,
 )
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http_server import ThreadedServer
-from tether.weight_sync.group import DTYPES, GroupJoiner, JoinError, Receiver
+from tether.weight_sync.group import GroupJoiner, JoinError, Receiver
 from tether.errors import TIMEOUTS
 
 MAX_CONCURRENT_REQUESTS = 512
@@ -150,22 +148,19 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     @app.post("/release_memory_occupation")
     def release(body: TagsIn) -> dict:
-        tags = _tags(body)
+        tags = _payload(memory_tags, body)
         core.release_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/resume_memory_occupation")
     def resume_memory(body: TagsIn) -> dict:
-        tags = _tags(body)
+        tags = _payload(memory_tags, body)
         core.resume_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/update_weights_from_tensor")
     def update_weights(body: UpdateWeightsIn) -> dict:
-        try:
-            tensors = load_safetensors(base64.b64decode(body.serialized_named_tensors))
-        except Exception as err:  # a corrupt payload is the client's error, said in its words
-            raise _bad_request(ValueError(f"serialized_named_tensors is not base64 safetensors: {err}")) from None
+        tensors = _payload(bucket_tensors, body)
         version = body.weight_version if body.weight_version is not None else core.engine.weight_version + 1
 
         def apply() -> int:
@@ -205,11 +200,7 @@ def _add_distributed_routes(app: FastAPI, core: EngineCore, join_timeout_s: floa
         receiver = groups.get(body.group_name)
         if receiver is None:
             raise _bad_request(ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group"))
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise _bad_request(ValueError("names, dtypes and shapes must have the same length"))
-        unknown = [d for d in body.dtypes if d not in DTYPES]
-        if unknown:
-            raise _bad_request(ValueError(f"unknown dtypes {unknown}; known: {list(DTYPES)}"))
+        _payload(check_distributed, body)
         version = body.weight_version
         # Receive outside the model lock (generation goes on), then load between two decode steps.
         with receiver.lock:
@@ -236,12 +227,12 @@ def _text(out, decode, params: SamplingParamsIn) -> str:
     return text
 
 
-def _tags(body: TagsIn) -> list[str]:
-    tags = list(body.tags) if body.tags else list(MEMORY_TAGS)
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise _bad_request(ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}"))
-    return tags
+def _payload(check, body):
+    """check(body), its PayloadError as the client's 400."""
+    try:
+        return check(body)
+    except PayloadError as err:
+        raise _bad_request(err) from None
 
 
 def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: str, submit_stream,

@@ -12,20 +12,19 @@ it runs in the engine actor, one hop in front of vLLM on the same host.
 from __future__ import annotations
 
 import asyncio
-import base64
 import uuid
 from typing import Any, Callable
 
 import httpx
 from fastapi import FastAPI, HTTPException
-from safetensors.torch import load as load_safetensors
 
-from tether.engine.base import MEMORY_TAGS
 from tether.faults import engine_fault
-from tether.engine.protocol import AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn, UpdateWeightsIn
+from tether.engine.payloads import PayloadError, bucket_tensors, check_distributed, memory_tags
+from tether.engine.protocol import (AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
+                                    UpdateWeightsIn)
 from tether.http_client import async_client, pool_limits
 from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
-from tether.weight_sync.group import DTYPES, JoinError
+from tether.weight_sync.group import JoinError
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id
 
@@ -176,23 +175,23 @@ def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_ti
     return app
 
 
-def _tags(body: TagsIn) -> list[str]:
-    tags = list(body.tags) if body.tags else list(MEMORY_TAGS)
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise HTTPException(status_code=400, detail=f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
-    return tags
+def _payload(check, body):
+    """check(body), its PayloadError as the client's 400."""
+    try:
+        return check(body)
+    except PayloadError as err:
+        raise HTTPException(status_code=400, detail=str(err)) from None
 
 
 def _add_memory_routes(app: FastAPI, backend: Any) -> None:
     @app.post("/release_memory_occupation")
     def release(body: TagsIn) -> dict:
-        backend.release_memory(_tags(body))
+        backend.release_memory(_payload(memory_tags, body))
         return {"success": True}
 
     @app.post("/resume_memory_occupation")
     def resume_memory(body: TagsIn) -> dict:
-        backend.resume_memory(_tags(body))
+        backend.resume_memory(_payload(memory_tags, body))
         return {"success": True}
 
 
@@ -205,11 +204,7 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
 
     @app.post("/update_weights_from_tensor")
     def update_weights(body: UpdateWeightsIn) -> dict:
-        try:
-            tensors = load_safetensors(base64.b64decode(body.serialized_named_tensors))
-        except Exception as err:  # a corrupt payload is the client's error, said in its words
-            raise HTTPException(status_code=400,
-                                detail=f"serialized_named_tensors is not base64 safetensors: {err}") from None
+        tensors = _payload(bucket_tensors, body)
         version = body.weight_version if body.weight_version is not None else backend.weight_version + 1
 
         def load() -> int:
@@ -228,9 +223,5 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(body: UpdateDistributedIn) -> dict:
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise HTTPException(status_code=400, detail="names, dtypes and shapes must have the same length")
-        unknown = [d for d in body.dtypes if d not in DTYPES]
-        if unknown:
-            raise HTTPException(status_code=400, detail=f"unknown dtypes {unknown}; known: {list(DTYPES)}")
+        _payload(check_distributed, body)
         return guarded(lambda: backend.receive_bucket(body))
