@@ -30,7 +30,7 @@ from tether.hf import load_model, load_tokenizer
 from tether.trainer.model import full_tensors, prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
-from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
+from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
 from tether.engine.backends import engine_ranks
 from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
@@ -132,6 +132,12 @@ class TrainActor:
             logits_chunk_mb=self.cfg.train.logits_chunk_mb,
         )
 
+    def state(self) -> TrainState:
+        """The policy, its optimizer and schedule, the reference, and the critic as the one objective
+        beside the policy (none for GRPO and SFT)."""
+        return TrainState(self.model, self.optimizer, self.scheduler, self.ref_model,
+                          [self.critic] if self.critic is not None else [], self.guard)
+
     def train(self, step_id: int, batch: TrainBatch, policy_loss: str | None = None,
               global_batch_size: int | None = None) -> dict[str, float]:
         """All optimizer steps on one batch (a rollout, or an SFT batch with policy_loss='sft')."""
@@ -139,8 +145,7 @@ class TrainActor:
         self.model.train()
         settings = self.step_settings(policy_loss, global_batch_size or self.cfg.global_batch_size)
         what = f"rollout {step_id}" if batch.rewards is not None else f"sft step {step_id}"
-        metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, settings,
-                                 self.rank, self.world, self.ref_model, self.critic, self.guard, what)
+        metrics = train_steps(self.state(), batch, settings, self.rank, self.world, what)
         metrics["timing/train_s"] = time.perf_counter() - start
         if batch.rewards is not None:
             self.policy_version = step_id + 1  # the version the push after this rollout gives the engines

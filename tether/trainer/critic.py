@@ -23,7 +23,7 @@ from tether.config import TetherConfig
 from tether.hf import DTYPES
 from tether.trainer.model import prepare_for_training
 from tether.trainer.optim import build_optimizer, build_scheduler
-from tether.trainer.step import StepSettings, grad_norm, micro_batches, place
+from tether.trainer.step import RLInputs, StepSettings, grad_norm, micro_batches, place
 
 
 def load_value_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
@@ -66,8 +66,9 @@ class Critic:
         return out
 
     def backward(self, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
-                 old_values: dict[int, torch.Tensor], returns: dict[int, torch.Tensor], world: int) -> dict[str, float]:
+                 inputs: RLInputs, world: int) -> dict[str, float]:
         """Accumulate the clipped value loss (token mean over the global batch) on this rank."""
+        old_values, returns = inputs.values, inputs.returns
         self.model.train()
         metrics: dict[str, float] = {}
         for mb in micro_batches(batch, mine, s):
@@ -79,7 +80,7 @@ class Critic:
                 metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value
         return metrics
 
-    def step(self, apply: bool = True) -> float:
+    def step(self, apply: bool = True) -> dict[str, float]:
         """Clip and apply the accumulated gradients; returns the grad norm. ``apply=False``: the
         policy's step was skipped as non-finite, so the critic's is dropped too."""
         norm = grad_norm(self.model, self.grad_clip)
@@ -87,4 +88,4 @@ class Critic:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return {"critic/grad_norm": norm}

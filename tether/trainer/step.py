@@ -1,8 +1,10 @@
 """One training iteration on a rank's share of a TrainBatch, as plain functions over a model.
 
-Order (per rollout): advantages from rewards (whole batch, identical on every rank) -> log-probs of
-the rollout tokens under the current policy ("old", before any update) and the reference model ->
-one or more optimizer steps over global batches, each accumulated over micro-batches.
+Order (per rollout), ``train_steps`` on a TrainState: ``prepare_rl_inputs`` (log-probs of the rollout
+tokens under the current policy, "old", before any update, when a separate pass is needed; the
+reference model's; values from the objectives beside the policy; advantages of the whole batch,
+identical on every rank) -> one or more optimizer steps over global batches, each accumulated over
+micro-batches, the policy's loss and each objective's (the critic's; none for GRPO and SFT).
 
 Normalisation: a loss is a token sum divided by the number of response tokens of the *global*
 batch (all micro-batches, all ranks), so accumulation over k micro-batches on r ranks gives the
@@ -15,7 +17,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -255,40 +257,93 @@ def all_reduce_max(value: float) -> float:
     return float(t[0])
 
 
-def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
-                   ref_model: nn.Module | None = None, critic=None, guard: NonFiniteGuard | None = None,
-                   what: str = "train") -> dict:
+class Objective(Protocol):
+    """A model trained beside the policy on each RL batch, from the same micro-batches: the critic of
+    PPO with GAE. GRPO, the other estimators and SFT have none (an empty list)."""
+
+    def values(self, batch: TrainBatch, steps: list[list[int]], s: StepSettings) -> dict[int, torch.Tensor] | None:
+        """Per-sample values the advantages need, before any update (None: it gives none)."""
+        ...
+
+    def backward(self, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
+                 inputs: RLInputs, world: int) -> dict[str, float]:
+        """Accumulate its loss over this rank's micro-batches of one optimizer step."""
+        ...
+
+    def step(self, apply: bool) -> dict[str, float]:
+        """Its optimizer step (dropped when the policy's was skipped as non-finite); metrics."""
+        ...
+
+
+@dataclass
+class TrainState:
+    """What one train call works on: the policy and its optimizer, and what trains or scores beside it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: nn.Module | None = None
+    """The frozen reference policy (KL), when the config asks for one."""
+    objectives: list[Objective] = field(default_factory=list)
+    guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
+    """Counts non-finite steps across calls."""
+
+
+@dataclass
+class RLInputs:
+    """An RL batch's per-sample inputs to the loss ({sample index: [R]} each), prepared before any update."""
+
+    advantages: dict[int, torch.Tensor]
+    returns: dict[int, torch.Tensor] | None = None
+    """Value targets, when an objective gave values."""
+    old: dict[int, torch.Tensor] | None = None
+    """Log-probs under the policy before the update, when a separate pass computed them; else the
+    first optimizer step's own forward fills ``seen`` with them."""
+    ref: dict[int, torch.Tensor] | None = None
+    values: dict[int, torch.Tensor] | None = None
+    seen: dict[int, torch.Tensor] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_rl_inputs(state: TrainState, batch: TrainBatch, s: StepSettings, assigned: list[list[int]],
+                      phases: dict[str, float]) -> RLInputs:
+    """Old and reference log-probs (when needed), values and advantages of the whole batch."""
+    steps = len(assigned)
+    # With one optimizer step per rollout, the old log-probs are the training forward's own (detached):
+    # the policy has not moved before that step, and the passes are batched alike, so they are the same
+    # numbers a separate pass would compute. Only a KL penalty in the reward needs them before training.
+    separate_old = steps > 1 or s.advantage_params.kl_coef > 0
+    old = ref = values = None
+    if separate_old:
+        with timed(phases, "old_logprob"):
+            old = response_logprobs(state.model, batch, assigned, s)
+    if state.ref_model is not None:
+        with timed(phases, "ref_logprob"):
+            ref = response_logprobs(state.ref_model, batch, assigned, s)
+    with timed(phases, "advantages"):
+        for objective in state.objectives:
+            given = objective.values(batch, assigned, s)
+            values = given if given is not None else values
+        advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
+    metrics = {f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()}
+    metrics["train/separate_old_logprob_pass"] = float(separate_old)
+    return RLInputs(advantages, returns, old, ref, values, None if separate_old else {}, metrics)
+
+
+def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int, world: int,
+                what: str = "train") -> dict:
     """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics
     (and "warnings" for skipped non-finite steps). ``what`` names the batch in messages."""
-    guard = guard or NonFiniteGuard(0)
     batch.validate()
     n = len(batch)
     if n % s.global_batch_size:
         raise ValueError(f"batch of {n} samples is not a multiple of global_batch_size={s.global_batch_size}")
-    is_rl = batch.rewards is not None
-    out: dict[str, float] = {}
-    advantages = old = ref = None
     steps = n // s.global_batch_size
     global_steps = [list(range(k * s.global_batch_size, (k + 1) * s.global_batch_size)) for k in range(steps)]
     assigned = [assign_ranks(batch, idx, s, rank, world) for idx in global_steps]
-    # With one optimizer step per rollout, the old log-probs are the training forward's own (detached):
-    # the policy has not moved before that step, and the passes are batched alike, so they are the same
-    # numbers a separate pass would compute. Only a KL penalty in the reward needs them before training.
-    separate_old = is_rl and (steps > 1 or s.advantage_params.kl_coef > 0)
-    seen: dict[int, torch.Tensor] | None = {} if is_rl and not separate_old else None
     phases: dict[str, float] = {}  # where this rank's time went: old/ref passes, forward/backward, optimizer
-    if is_rl:
-        if separate_old:
-            with timed(phases, "old_logprob"):
-                old = response_logprobs(model, batch, assigned, s)
-        if ref_model is not None:
-            with timed(phases, "ref_logprob"):
-                ref = response_logprobs(ref_model, batch, assigned, s)
-        with timed(phases, "advantages"):
-            values = critic.values(batch, assigned, s) if critic is not None else None
-            advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
-        out.update({f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()})
-        out["train/separate_old_logprob_pass"] = float(separate_old)
+    rl = prepare_rl_inputs(state, batch, s, assigned, phases) if batch.rewards is not None else None
+    out: dict[str, float] = dict(rl.metrics) if rl is not None else {}
     summed: dict[str, float] = {}
     warnings: list[str] = []
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
@@ -296,31 +351,19 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
         counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
         with timed(phases, "forward_backward"):
-            parts = run_global_step(model, batch, mine, counts, s, advantages, old, ref, world, seen)
-        if is_rl and k == 0:  # the trainer's log-probs before any update, against the engine's
-            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], old if old is not None else seen))
-        if critic is not None and is_rl:
-            with timed(phases, "critic"):
-                parts.update(critic.backward(batch, mine, counts, s, values, returns, world))
-        keys = sorted(parts)
-        reduced = dict(zip(keys, all_reduce_sum([parts[key] for key in keys])))
-        with timed(phases, "optimizer"):  # grad norm and clipping (a collective), the checks, the step
-            norm = grad_norm(model, s.grad_clip)
-            inputs = {"advantages": _cat(advantages, mine), "old log-probs": _cat(old, mine),
-                      "ref log-probs": _cat(ref, mine)}
-            skipped = guard.check(f"{what}, optimizer step {k + 1}/{steps}", reduced, norm, model, inputs)
-            reduced["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
-            reduced["grad_norm"] = norm
-            if skipped is None:
-                optimizer.step()
-                scheduler.step()
-            else:
-                warnings.append(skipped)
-            optimizer.zero_grad(set_to_none=True)
-        if critic is not None and is_rl:
-            reduced["critic/grad_norm"] = critic.step(apply=skipped is None)
-        accumulate(summed, reduced)
-    check_weights(model, what)
+            parts = run_global_step(state.model, batch, mine, counts, s, rl and rl.advantages, rl and rl.old,
+                                    rl and rl.ref, world, rl and rl.seen)
+        if rl is not None and k == 0:  # the trainer's log-probs before any update, against the engine's
+            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], rl.old if rl.old is not None else rl.seen))
+        if rl is not None:
+            for objective in state.objectives:
+                with timed(phases, "critic"):
+                    parts.update(objective.backward(batch, mine, counts, s, rl, world))
+        skipped = _optimizer_step(state, batch, rl, mine, parts, s, f"{what}, optimizer step {k + 1}/{steps}", phases)
+        if skipped is not None:
+            warnings.append(skipped)
+        accumulate(summed, parts)
+    check_weights(state.model, what)
     out.update({f"train/{k}": v / steps for k, v in summed.items()})
     out.update(phases)
     out["train/optimizer_steps"] = float(steps - len(warnings))
@@ -328,6 +371,40 @@ def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettin
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _optimizer_step(state: TrainState, batch: TrainBatch, rl: RLInputs | None, mine: list[int],
+                    parts: dict[str, float], s: StepSettings, where: str, phases: dict[str, float]) -> str | None:
+    """Reduce this step's metrics over ranks into ``parts``, clip, check and step (policy, then the
+    objectives); the warning when the step was skipped as non-finite, else None."""
+    keys = sorted(parts)
+    reduced = dict(zip(keys, all_reduce_sum([parts[key] for key in keys])))
+    with timed(phases, "optimizer"):  # grad norm and clipping (a collective), the checks, the step
+        norm = grad_norm(state.model, s.grad_clip)
+        inputs = {"advantages": _cat(rl and rl.advantages, mine), "old log-probs": _cat(rl and rl.old, mine),
+                  "ref log-probs": _cat(rl and rl.ref, mine)}
+        skipped = state.guard.check(where, reduced, norm, state.model, inputs)
+        reduced["lr"] = state.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        reduced["grad_norm"] = norm
+        if skipped is None:
+            state.optimizer.step()
+            state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
+    if rl is not None:
+        for objective in state.objectives:
+            reduced.update(objective.step(apply=skipped is None))
+    parts.clear()
+    parts.update(reduced)
+    return skipped
+
+
+def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
+                   ref_model: nn.Module | None = None, critic: Objective | None = None,
+                   guard: NonFiniteGuard | None = None, what: str = "train") -> dict:
+    """``train_steps`` on a state made of these parts (the critic, when given, as its one objective)."""
+    state = TrainState(model, optimizer, scheduler, ref_model, [critic] if critic is not None else [],
+                       guard or NonFiniteGuard(0))
+    return train_steps(state, batch, s, rank, world, what)
 
 
 def _cat(per_sample: dict[int, torch.Tensor] | None, indices: list[int]) -> torch.Tensor | None:
