@@ -52,10 +52,9 @@ def claim(output_dir: str | Path, checkpoint_dir: str | Path | None, *, overwrit
     if not found:
         return []
     if not overwrite:
-        config = f"--config {config_path} " if config_path else ""
         lines = [f"{out} holds an earlier run; nothing was changed:", *(f"  {item}" for item in found)]
         if ckpt is not None and checkpoints_in(ckpt):
-            lines.append(f"to resume it:   tether {command} {config}--load {ckpt}")
+            lines.append(f"to resume it:   {resume_command(command, config_path, ckpt)}")
         lines += ["to replace it:  add --overwrite (deletes the files above)",
                   f"to keep both:   give another output_dir, e.g. output_dir={out}-2"]
         raise RunDirError("\n".join(lines))
@@ -79,6 +78,10 @@ def stopped_message(how: str, command: str, config_path: str | None, checkpoint_
     ckpts = checkpoints_in(checkpoint_dir)
     if not ckpts:
         return f"stopped by {how} before any checkpoint was complete; a new run starts from the beginning"
-    config = f"--config {config_path} " if config_path else ""
     return (f"stopped by {how}; the latest complete checkpoint is {ckpts[-1]}\n"
-            f"to resume:  tether {command} {config}--load {checkpoint_dir}")
+            f"to resume:  {resume_command(command, config_path, checkpoint_dir)}")
+
+
+def resume_command(command: str, config_path: str | None, checkpoint_dir: Path) -> str:
+    config = f"--config {config_path} " if config_path else ""
+    return f"tether {command} {config}--load {checkpoint_dir}"

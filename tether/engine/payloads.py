@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 
 import torch
+from fastapi import HTTPException
 from safetensors.torch import load as load_safetensors
 
 from tether.engine.base import MEMORY_TAGS
@@ -42,3 +43,11 @@ def check_distributed(body: UpdateDistributedIn) -> None:
     unknown = [d for d in body.dtypes if d not in DTYPES]
     if unknown:
         raise PayloadError(f"unknown dtypes {unknown}; known: {list(DTYPES)}")
+
+
+def checked(check, body):
+    """``check(body)`` inside a route: its PayloadError becomes the client's 400, with its message."""
+    try:
+        return check(body)
+    except PayloadError as err:
+        raise HTTPException(status_code=400, detail=str(err)) from None

@@ -24,7 +24,7 @@ from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
 from tether.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
-from tether.engine.payloads import PayloadError, bucket_tensors, check_distributed, memory_tags
+from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, PauseIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, include_usage, openai_usage, response,
@@ -148,19 +148,19 @@ def build_app(core: EngineCore, model_name: str = "tether-embedded", request_tim
 
     @app.post("/release_memory_occupation")
     def release(body: TagsIn) -> dict:
-        tags = _payload(memory_tags, body)
+        tags = checked(memory_tags, body)
         core.release_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/resume_memory_occupation")
     def resume_memory(body: TagsIn) -> dict:
-        tags = _payload(memory_tags, body)
+        tags = checked(memory_tags, body)
         core.resume_memory(tags)
         return {"success": True, "released": sorted(core.engine.released)}
 
     @app.post("/update_weights_from_tensor")
     def update_weights(body: UpdateWeightsIn) -> dict:
-        tensors = _payload(bucket_tensors, body)
+        tensors = checked(bucket_tensors, body)
         version = body.weight_version if body.weight_version is not None else core.engine.weight_version + 1
 
         def apply() -> int:
@@ -200,7 +200,7 @@ def _add_distributed_routes(app: FastAPI, core: EngineCore, join_timeout_s: floa
         receiver = groups.get(body.group_name)
         if receiver is None:
             raise _bad_request(ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group"))
-        _payload(check_distributed, body)
+        checked(check_distributed, body)
         version = body.weight_version
         # Receive outside the model lock (generation goes on), then load between two decode steps.
         with receiver.lock:
@@ -226,13 +226,6 @@ def _text(out, decode, params: SamplingParamsIn) -> str:
         text = text[: text.find(out.matched_stop)] if out.matched_stop in text else text
     return text
 
-
-def _payload(check, body):
-    """check(body), its PayloadError as the client's 400."""
-    try:
-        return check(body)
-    except PayloadError as err:
-        raise _bad_request(err) from None
 
 
 def _add_openai_routes(app: FastAPI, core: EngineCore, run, decode, model_name: str, submit_stream,

@@ -19,7 +19,7 @@ import httpx
 from fastapi import FastAPI, HTTPException
 
 from tether.faults import engine_fault
-from tether.engine.payloads import PayloadError, bucket_tensors, check_distributed, memory_tags
+from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
 from tether.engine.protocol import (AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
                                     UpdateWeightsIn)
 from tether.http_client import async_client, pool_limits
@@ -175,23 +175,16 @@ def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_ti
     return app
 
 
-def _payload(check, body):
-    """check(body), its PayloadError as the client's 400."""
-    try:
-        return check(body)
-    except PayloadError as err:
-        raise HTTPException(status_code=400, detail=str(err)) from None
-
 
 def _add_memory_routes(app: FastAPI, backend: Any) -> None:
     @app.post("/release_memory_occupation")
     def release(body: TagsIn) -> dict:
-        backend.release_memory(_payload(memory_tags, body))
+        backend.release_memory(checked(memory_tags, body))
         return {"success": True}
 
     @app.post("/resume_memory_occupation")
     def resume_memory(body: TagsIn) -> dict:
-        backend.resume_memory(_payload(memory_tags, body))
+        backend.resume_memory(checked(memory_tags, body))
         return {"success": True}
 
 
@@ -204,7 +197,7 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
 
     @app.post("/update_weights_from_tensor")
     def update_weights(body: UpdateWeightsIn) -> dict:
-        tensors = _payload(bucket_tensors, body)
+        tensors = checked(bucket_tensors, body)
         version = body.weight_version if body.weight_version is not None else backend.weight_version + 1
 
         def load() -> int:
@@ -223,5 +216,5 @@ def _add_weight_routes(app: FastAPI, backend: Any) -> None:
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(body: UpdateDistributedIn) -> dict:
-        _payload(check_distributed, body)
+        checked(check_distributed, body)
         return guarded(lambda: backend.receive_bucket(body))
