@@ -56,7 +56,10 @@ def test_a_multi_turn_function_streams_across_takes_and_pauses(engine, tiny_mode
             stream.resume(r + 1)
     finally:
         stream.close()
-    assert sorted(f.samples[0].prompt_index for f in taken) == list(range(ROWS))  # each prompt once
+    # The first groups to finish are taken, and while the trainer waits the stream starts more (the next
+    # epoch's too), so which prompts come is a race; each is drawn at most once an epoch.
+    drawn = [(f.epoch, f.samples[0].prompt_index) for f in taken]
+    assert len(taken) == 3 * NEED and len(set(drawn)) == len(drawn), drawn
     for flight in taken:
         assert len(flight.samples) == N
         for s in flight.samples:
