@@ -163,7 +163,7 @@ def test_rollout_line_full() -> None:
         "timing/generate_s": 1.2, "timing/train_s": 0.8, "timing/weight_sync_s": 0.1,
     }
     assert format_rollout_line(12, 60, metrics) == (
-        "[rollout 12/60] reward 0.734±0.21 len 5.1 loss -0.012 pg -0.013 kl 0.0003 "
+        "[rollout 11, step 12/60] reward 0.734±0.21 len 5.1 loss -0.012 pg -0.013 kl 0.0003 "
         "ent 0.82 gn 0.41 lr 1.0e-04 mismatch 2e-07 | eval arith 0.81 | "
         "gen 1.2s train 0.8s sync 0.1s"
     )
@@ -172,16 +172,18 @@ def test_rollout_line_full() -> None:
 def test_rollout_line_only_present_keys() -> None:
     line = format_rollout_line(3, 10, {"train/loss": 0.5, "rollout/reward_mean": 0.25,
                                        "some/unknown": 1.0})
-    assert line == "[rollout 3/10] reward 0.250 loss 0.5"
+    assert line == "[rollout 2, step 3/10] reward 0.250 loss 0.5"
     assert "eval" not in line and "|" not in line and "±" not in line
-    assert format_rollout_line(4, None, {}) == "[rollout 4]"
+    assert format_rollout_line(4, None, {}) == "[rollout 3, step 4]"
+    assert format_rollout_line(0, 9, {}) == "[step 0/9, before training]"
+    assert format_rollout_line(4, 9, {}, "sft step") == "[sft step 4/9]"
 
 
 def test_rollout_line_eval_sections() -> None:
     line = format_rollout_line(5, 10, {"eval/gsm/score": 0.4, "eval/arith/score": 0.9,
                                        "eval/arith/response_len_mean": 12.0,
                                        "timing/save_s": 2.0})
-    assert line == "[rollout 5/10] eval arith 0.9 gsm 0.4 | save 2.0s"
+    assert line == "[rollout 4, step 5/10] eval arith 0.9 gsm 0.4 | save 2.0s"
     assert "loss nan" in format_rollout_line(1, 2, {"train/loss": float("nan")})
     assert "loss 0 " in format_rollout_line(1, 2, {"train/loss": -0.0, "train/kl": 0.1})
 
@@ -192,7 +194,7 @@ def test_console_output_printed(tmp_path: Path, capsys: pytest.CaptureFixture[st
         t.log(0, {"rollout/reward_mean": 0.5})
         bar.update()
     out = capsys.readouterr().out
-    assert "[rollout 0/2] reward 0.500" in out
+    assert "[step 0/2, before training] reward 0.500" in out
     assert "tether run summary: test" in out
 
 
@@ -279,7 +281,7 @@ def test_warnings_stand_out_and_reach_the_summary(tmp_path: Path, capsys: pytest
         summary = t.finish()
     err = capsys.readouterr().err
     assert "!! WARNING:\n!!   the prompts do not survive" in err
-    assert "!! WARNING at rollout 1:\n!!   all 16 rewards of rollout 0 are 0.0" in err
+    assert "!! WARNING at rollout 0, step 1:\n!!   all 16 rewards of rollout 0 are 0.0" in err
     assert [w["step"] for w in summary["warnings"]] == [None, 1]
     assert "warnings" not in _rows(tmp_path / "run" / "metrics.jsonl")[0]  # never a metric
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())

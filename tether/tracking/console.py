@@ -95,6 +95,16 @@ def _timing_part(metrics: Mapping[str, Any]) -> str | None:
     return " ".join(items) if items else None
 
 
+def step_name(step: int, total: int | None, label: str = "rollout") -> str:
+    """How a logged step reads on the console. A run's metrics are logged at its number of train steps
+    (0: before training), so rollout N (0-based, as in checkpoints rollout_00000N and dumps) is step N+1;
+    the line names both. Other labels ("sft step") print the step as it is."""
+    count = f"{step}/{total}" if total is not None else str(step)
+    if label != "rollout":
+        return f"{label} {count}"
+    return f"step {count}, before training" if step == 0 else f"rollout {step - 1}, step {count}"
+
+
 def format_rollout_line(step: int, total: int | None, metrics: Mapping[str, Any], label: str = "rollout") -> str:
     """One compact line summarising a rollout step.
 
@@ -102,7 +112,7 @@ def format_rollout_line(step: int, total: int | None, metrics: Mapping[str, Any]
     scores and timings get their own ``|``-separated sections when present.
     Unknown keys are ignored (they still reach JSONL/TensorBoard/W&B).
     """
-    head = f"[{label} {step}/{total}]" if total is not None else f"[{label} {step}]"
+    head = f"[{step_name(step, total, label)}]"
     train_items: list[str] = []
     reward = _reward_part(metrics)
     if reward is not None:
@@ -210,7 +220,7 @@ def _clip(text: str, width: int) -> str:
 
 def format_warning(step: int | None, message: str, label: str = "rollout") -> str:
     """A warning as a block that stands out between the per-rollout lines."""
-    at = f" at {label} {step}" if step is not None else ""
+    at = f" at {step_name(step, None, label)}" if step is not None else ""
     body = "\n".join(f"!!   {line}" for line in message.splitlines())
     return f"!! WARNING{at}:\n{body}"
 

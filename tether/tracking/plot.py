@@ -154,7 +154,8 @@ def plot_rows(rows: list[Row], out_png: str | Path, *, title: str | None = None,
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, paint in zip(axes, panels):
         paint(ax, rows)
-        ax.set_xlabel(step_label)
+        # Rows are logged at train steps done (rollout N is step N + 1): say so on the axis.
+        ax.set_xlabel("train step (rollout + 1)" if step_label == "rollout" else step_label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
