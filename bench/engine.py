@@ -34,7 +34,7 @@ from tether.config import RolloutConfig  # noqa: E402
 from tether.engine.core import start_engine_core  # noqa: E402
 from tether.engine.embedded import EmbeddedEngine  # noqa: E402
 from tether.engine.sampling import SamplingParams  # noqa: E402
-from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 CHAR_MODELS = {  # name: Qwen2 shape, with the character tokenizer (a vocabulary of 98)
     "qwen2-4M": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
@@ -52,7 +52,7 @@ SHAPES = {"char": (64, 32, 128), "real": (16, 64, 64)}
 
 def model_path(name: str, tmp: Path) -> Path:
     """The HF folder of a named bench model (real ones are built once into ~/.cache/tether/models)."""
-    from tether.gguf_import import cached_import, smollm2_gguf
+    from tether.models.gguf import cached_import, smollm2_gguf
 
     if name in CHAR_MODELS:
         return build_tiny_model(tmp / name, build_char_tokenizer(), max_positions=512, **CHAR_MODELS[name])

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tether.batch import TrainBatch, collate  # noqa: E402
-from tether.hf import load_model  # noqa: E402
+from tether.trainer.batch import TrainBatch, collate  # noqa: E402
+from tether.models.hf import load_model  # noqa: E402
 from tether.trainer.step import forward_logprobs  # noqa: E402
 
 

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tether.algorithms.losses import LossParams  # noqa: E402
-from tether.batch import TrainBatch, collate, collate_packed, split_micro_batches  # noqa: E402
-from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from tether.trainer.batch import TrainBatch, collate, collate_packed, split_micro_batches  # noqa: E402
+from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget  # noqa: E402
-from tether.hf import load_model  # noqa: E402
+from tether.models.hf import load_model  # noqa: E402
 from tether.trainer.step import StepSettings, train_on_batch  # noqa: E402
 
 

@@ -61,7 +61,7 @@ def serve(path: str, port: int) -> None:
     from tether.engine.core import start_engine_core
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     torch.set_num_threads(1)  # two engines on two cores, as colocated engines would share them
     core = start_engine_core(lambda: EmbeddedEngine(path), max_batch=512, max_batch_tokens=1 << 20)
@@ -72,7 +72,7 @@ def serve(path: str, port: int) -> None:
 
 
 def start_engines(path: Path, count: int) -> tuple[list[subprocess.Popen], list[str]]:
-    from tether.http_server import free_port
+    from tether.http.server import free_port
 
     procs, urls = [], []
     for _ in range(count):
@@ -147,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve, args.port)
-    from tether.tiny import build_char_tokenizer, build_tiny_model
+    from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
     prompts, n = (16, 4) if args.quick else (32, 8)
     base, repeats = (16, 1) if args.quick else (32, 3)

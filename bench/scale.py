@@ -13,7 +13,7 @@ The times include building the models; later runs with the same --work reuse the
 
 Rungs (hidden / layers / heads / KV heads / MLP; head size 64 as in Qwen2.5; tied embeddings):
 4m 256/4/4/2/1024, 20m 512/6/8/2/1792, 100m 768/12/12/2/3072, and 0.5b 896/24/14/2/4864, which is
-Qwen2.5-0.5B's shape. The vocabulary is the character tokenizer's (tether.tiny.build_char_tokenizer,
+Qwen2.5-0.5B's shape. The vocabulary is the character tokenizer's (tether.models.tiny.build_char_tokenizer,
 99 tokens), so the 0.5b rung has 358M parameters: Qwen2.5-0.5B's 494M less its 151936 x 896 = 136M
 embedding. --vocab N pads the embedding (and so the LM head) to N rows. The random model also samples
 the ids past the tokenizer's, and they decode to nothing.
@@ -90,7 +90,7 @@ def build_model(out: Path, size: str, vocab: int | None = None, seed: int = 0) -
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tether.tiny import build_char_tokenizer
+    from tether.models.tiny import build_char_tokenizer
 
     done = out / "model.done"  # written last: {"size", "vocab", "seed", "params"}
     built = json.loads(done.read_text()) if done.is_file() else None

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tether.algorithms.losses import LossParams
-from tether.batch import TrainBatch
-from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.hf import load_model
+from tether.trainer.batch import TrainBatch
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.hf import load_model
 from tether.trainer.model import apply_fsdp
 from tether.trainer.step import StepSettings, response_logprobs, train_on_batch
 

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tether.algorithms.losses import LossParams  # noqa: E402
-from tether.batch import TrainBatch  # noqa: E402
-from tether.hf import load_model  # noqa: E402
+from tether.trainer.batch import TrainBatch  # noqa: E402
+from tether.models.hf import load_model  # noqa: E402
 from tether.trainer.model import apply_fsdp  # noqa: E402
 from tether.trainer.step import StepSettings, train_on_batch  # noqa: E402
 
@@ -37,7 +37,7 @@ if "--rollout" in args:
 if args:
     M = args[0]
 else:
-    from tether.gguf_import import cached_import, smollm2_gguf
+    from tether.models.gguf import cached_import, smollm2_gguf
 
     M = str(cached_import(smollm2_gguf(), "SmolLM2-135M-Instruct"))
 P, R, N = 50, 35, 64

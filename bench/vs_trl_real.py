@@ -58,7 +58,7 @@ def trl_env() -> Path:
 
 def prepare(task: str, out: Path, log: Path) -> tuple[Path, Path, Path]:
     """(model folder, train JSONL, eval JSONL): the problems as the recipe generates them, one task."""
-    from tether.gguf_import import cached_import, smollm2_gguf
+    from tether.models.gguf import cached_import, smollm2_gguf
 
     model = cached_import(smollm2_gguf(), "SmolLM2-135M-Instruct")
     recipe = yaml.safe_load(RECIPE.read_text())

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tether.engine.actor import EngineActor  # noqa: E402
-from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tether.trainer.model import full_tensors  # noqa: E402
 from tether.weight_sync.distributed import DistributedSender, free_port  # noqa: E402
 from tether.weight_sync.group import join_group  # noqa: E402

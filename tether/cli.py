@@ -17,8 +17,8 @@ import os
 import sys
 
 from tether.config import ConfigError, TetherConfig, dump_config, load_config
-from tether.preflight import check_inputs
-from tether.run_dir import stopped_message
+from tether.run.preflight import check_inputs
+from tether.run.output_dir import stopped_message
 from tether.errors import CheckpointSaveError, EngineDiedError, NonFiniteError, RemoteTimeout, TrainerDiedError
 from tether.rollout.prompt_format import DatasetError
 
@@ -87,8 +87,8 @@ def _load(args: argparse.Namespace) -> TetherConfig:
 def _resolved(spec: str, field: str) -> str:
     """The local model folder ``spec`` names (a Hub id resolved, said once), checked to be a family tether
     trains and serves; a ConfigError naming ``field`` otherwise."""
-    from tether.architectures import check_architecture
-    from tether.model_source import resolve_model
+    from tether.models.architectures import check_architecture
+    from tether.models.source import resolve_model
 
     path = resolve_model(spec, field)
     if path != spec:
@@ -116,11 +116,11 @@ def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
 
         generate_rollouts(cfg, overwrite=args.overwrite, config_path=args.config)
     elif args.command == "sft":
-        from tether.sft import sft
+        from tether.sft.run import sft
 
         sft(cfg, overwrite=args.overwrite, config_path=args.config)
     else:
-        from tether.evaluate import evaluate
+        from tether.run.evaluate import evaluate
 
         evaluate(cfg, args.model, args.out)
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "export":
-        from tether.export import export_checkpoint
+        from tether.models.export import export_checkpoint
 
         try:
             print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
@@ -145,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "import-gguf":
-        from tether.gguf_import import main as import_main
+        from tether.models.gguf import main as import_main
 
         return import_main(args.gguf_file, args.out, args.overwrite)
     if args.command == "serve":
-        from tether.serve import serve
+        from tether.engine.serve import serve
 
         try:
             model = _resolved(args.model, "--model")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
               args.require_key_for_generate)
         return 0
     if args.command == "report":
-        from tether.report import report
+        from tether.tracking.report import report
 
         try:
             report(args.run_dir)

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tether.config import ClusterConfig
 from tether.errors import RemoteTimeout, TrainerDiedError
-from tether.http_guard import API_KEY_ENV
+from tether.http.guard import API_KEY_ENV
 from tether.scheduling import wait_placement
 
 

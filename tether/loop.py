@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tether.engine.base import KV_CACHE, WEIGHTS
 from tether.errors import CheckpointSaveError
-from tether.faults import crash_point
+from tether.run.faults import crash_point
 
 
 class Trainer(Protocol):

@@ -7,15 +7,15 @@ import sys
 import time
 from pathlib import Path
 
-from tether.checkpoint import Checkpointer, find_latest, read_meta
+from tether.run.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import RemoteTimeout, plan_placement
 from tether.engine.backends import placed_engines
 from tether.config import TetherConfig, public_dict
 from tether.errors import EngineDiedError, TrainerDiedError
 from tether.loop import LoopPlan, run_loop
 from tether.loop_async import run_fully_async, run_one_step_off
-from tether.resume import check_resume_config, trim_jsonl
-from tether.run_dir import claim
+from tether.run.resume import check_resume_config, trim_jsonl
+from tether.run.output_dir import claim
 from tether.trainer.actor import TRAINED_SAMPLES
 from tether.rollout.handle import RolloutHandle, create_engines
 from tether.rollout.replay import ReplayRollout, WithoutEngines
@@ -28,7 +28,7 @@ def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str 
                    command: str = "train") -> tuple[str | None, int, dict]:
     """(checkpoint path, first rollout id, its meta). A --load directory without one starts fresh.
 
-    A fresh start claims the output directory (tether/run_dir.py): it refuses to write over an
+    A fresh start claims the output directory (tether/run/output_dir.py): it refuses to write over an
     earlier run unless ``overwrite``. meta["redo_eval"] is set when the crash came after the
     checkpoint but before that rollout's eval was logged.
 

@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 
 def add_without_carry(a: int, b: int) -> int:

@@ -29,7 +29,7 @@ import json
 import random
 from pathlib import Path
 
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.tools.calculator import evaluate, format_number
 
 TEACHER_MIX = {"skip": 0.60, "misuse": 0.25, "right": 0.15}

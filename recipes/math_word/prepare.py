@@ -30,7 +30,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 # Every character is a token, and every prompt carries this line, so it is kept short.
 SYSTEM = "Put the final answer in \\boxed{}."

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tasks import TASKS, Task, teacher  # noqa: E402
 
-from tether.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 SIZES = {  # the quickstart's model, one about ten times larger, and one about fifty times
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 GREEDY = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
 

@@ -1,7 +1,7 @@
 """The model families users bring, as transformers ships them, each small and randomly initialised at its
 real vocabulary size: the embedded engine serves it, its log-probs equal the trainer's (float32), a
 weight push changes its replies, and an FSDP checkpoint of it resumes. The families that cannot be
-trained or served are refused by name before anything starts (tether/architectures.py)."""
+trained or served are refused by name before anything starts (tether/models/architectures.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 import transformers
 from torch.distributed.tensor import DTensor
 
-from tether.architectures import SUPPORTED, UnsupportedModel, check_architecture
-from tether.batch import TrainBatch, collate
-from tether.checkpoint import load_trainer, save_trainer
+from tether.models.architectures import SUPPORTED, UnsupportedModel, check_architecture
+from tether.trainer.batch import TrainBatch, collate
+from tether.run.checkpoint import load_trainer, save_trainer
 from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.sampling import SamplingParams
-from tether.hf import load_model
-from tether.tiny import build_char_tokenizer
+from tether.models.hf import load_model
+from tether.models.tiny import build_char_tokenizer
 from tether.trainer.model import apply_fsdp
 from tether.trainer.step import StepSettings, forward_logprobs, train_on_batch
 from tether.algorithms.losses import LossParams

@@ -154,8 +154,8 @@ def engine(tiny_model_dir):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
-    from tether.http_guard import ServerLimits
+    from tether.models.hf import load_tokenizer
+    from tether.http.guard import ServerLimits
 
     core = EngineCore(EmbeddedEngine(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir)), max_batch=8)
     server = EngineServer(core, limits=ServerLimits(max_body_bytes=1 << 16)).start()

@@ -15,7 +15,7 @@ from tether.rollout.filters import keep_all
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate, GenerateContext
 from tether.sample import Sample
-from tether.hf import load_tokenizer
+from tether.models.hf import load_tokenizer
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_config
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.cluster import plan_placement
 from tether.config import config_from_dict
 from tether.trainer.group import TrainerGroup

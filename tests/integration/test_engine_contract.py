@@ -43,7 +43,7 @@ def embedded_backend(model_dir) -> tuple[str, Callable[[], None], Callable[[], d
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     engine = EmbeddedEngine(str(model_dir))
     server = EngineServer(EngineCore(engine, load_tokenizer(str(model_dir)))).start()
@@ -273,7 +273,7 @@ def hf_logprobs(model_dir, state: dict[str, torch.Tensor], prompt: list[int], to
                 head: torch.Tensor | None = None) -> list[float]:
     """The log-probs a float32 HF forward gives ``tokens`` after ``prompt`` under ``state``; ``head``:
     an output projection other than the (tied) embedding."""
-    from tether.hf import load_model
+    from tether.models.hf import load_model
 
     model = load_model(str(model_dir), "float32", "cpu").eval()
     # A tied model's state dict may also list lm_head.weight (the same tensor): load only the embedding.

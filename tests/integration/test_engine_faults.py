@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import tiny_config
 from tether.config import config_from_dict
 from tether.errors import EngineDiedError
-from tether.faults import ENGINE_FAULT
+from tether.run.faults import ENGINE_FAULT
 from tether.train import train
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ from safetensors.torch import save as save_safetensors
 from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
-from tether.router import NoHealthyWorker, Router
-from tether.hf import load_tokenizer
+from tether.rollout.router import NoHealthyWorker, Router
+from tether.models.hf import load_tokenizer
 
 from tests.conftest import engine_server
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import tiny_config
 from tether.config import ConfigError, config_from_dict
-from tether.http_server import free_port
+from tether.http.server import free_port
 from tether.train import train
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config
-from tether.checkpoint import find_latest
+from tether.run.checkpoint import find_latest
 from tether.config import config_from_dict
 from tether.train import train
 from tether.trainer.nonfinite import NonFiniteError

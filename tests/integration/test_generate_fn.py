@@ -13,7 +13,7 @@ from tether.rollout.filters import keep_all
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate, GenerateError, GenerateLoadError
 from tether.sample import Sample
-from tether.hf import load_tokenizer
+from tether.models.hf import load_tokenizer
 
 pytestmark = pytest.mark.integration
 N = 3
@@ -82,7 +82,7 @@ def test_two_turns_with_inserted_tokens(engine, tokenizer):
 def test_every_turn_conditions_on_the_exact_tokens_the_trainer_sees(engine, tokenizer, tiny_model_dir):
     """Turn 2's prompt is prompt + every response token so far (ids, never re-tokenized text), so the
     trainer's log-probs of the whole sequence equal the engine's on every policy token."""
-    from tether.hf import load_model
+    from tether.models.hf import load_model
 
     result = run(engine, custom("two_turns", tokenizer), groups(2), max_new_tokens=12)
     model = load_model(str(tiny_model_dir), "float32")

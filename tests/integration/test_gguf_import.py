@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tether.gguf_import import GGUFImportError, import_gguf, inspect_gguf, main, smollm2_gguf
+from tether.models.gguf import GGUFImportError, import_gguf, inspect_gguf, main, smollm2_gguf
 
 
 def test_converted_folder_reproduces_the_gguf_model(tmp_path):

@@ -22,8 +22,8 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_config
-from tether.checkpoint import find_latest
-from tether.export import export_checkpoint
+from tether.run.checkpoint import find_latest
+from tether.models.export import export_checkpoint
 from tether.rollout.data_source import DataSource
 from transformers import AutoModelForCausalLM
 

@@ -99,7 +99,7 @@ def test_bad_specs_and_settings_are_config_errors(tiny_model_dir, addition_data,
 def test_an_engine_without_load_counters_gives_no_hit_rate():
     from fastapi import FastAPI
 
-    from tether.http_server import ThreadedServer
+    from tether.http.server import ThreadedServer
     from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 
     server = ThreadedServer(FastAPI(), "127.0.0.1", 0, "a server without /get_load").start()

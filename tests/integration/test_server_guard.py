@@ -17,9 +17,9 @@ from safetensors.torch import save as save_safetensors
 from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
-from tether.hf import load_tokenizer
-from tether.http_client import engine_headers
-from tether.http_guard import ServerLimits
+from tether.models.hf import load_tokenizer
+from tether.http.client import engine_headers
+from tether.http.guard import ServerLimits
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tether.checkpoint import find_latest
+from tether.run.checkpoint import find_latest
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

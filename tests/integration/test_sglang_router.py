@@ -23,7 +23,7 @@ def two_engines(tiny_model_dir):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine
     from tether.engine.server import EngineServer
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -36,7 +36,7 @@ def two_engines(tiny_model_dir):
 
 
 def test_generation_goes_through_the_router_and_shared_prefixes_stay_on_one_engine(two_engines, tmp_path):
-    from tether.router_sglang import SglangRouterFront
+    from tether.rollout.router_sglang import SglangRouterFront
 
     router = SglangRouterFront(two_engines, timeout_s=60, log_dir=str(tmp_path))
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tether.engine.sampling import SamplingParams
-from tether.hf import load_tokenizer
+from tether.models.hf import load_tokenizer
 from tether.rollout.data_source import DataSource, PromptRow
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate

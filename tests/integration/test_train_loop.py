@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import USER_REWARD, tiny_config
 from tests.integration.reward_server import RewardServer
-from tether.checkpoint import find_latest
+from tether.run.checkpoint import find_latest
 from tether.config import config_from_dict
 from tether.train import train
 
@@ -269,6 +269,6 @@ def test_a_multi_turn_generate_function_in_a_run(ray_session, tiny_model_dir, ad
 
 
 def tokenizer_ids(model_dir, text: str) -> list[int]:
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     return load_tokenizer(str(model_dir)).encode(text, add_special_tokens=False)

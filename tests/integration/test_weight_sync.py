@@ -8,7 +8,7 @@ import ray
 import torch
 
 from tests.conftest import tiny_config
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.cluster import plan_placement, wait
 from tether.config import config_from_dict
 from tether.rollout.handle import create_engines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.tiny import build_char_tokenizer
+from tether.models.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,8 +25,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 32, GQA 4/2 heads) in float32, eval mode: for engine/trainer checks."""
-    from tether.tiny import build_tiny_model
-    from tether.hf import load_model
+    from tether.models.tiny import build_tiny_model
+    from tether.models.hf import load_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("small_model"), build_char_tokenizer(), hidden_size=32,
                             num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_positions=256)

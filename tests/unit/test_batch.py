@@ -1,11 +1,11 @@
-"""Unit tests for tether.batch: TrainBatch consistency, collate (right padding, masks) and micro-batching."""
+"""Unit tests for tether.trainer.batch: TrainBatch consistency, collate (right padding, masks) and micro-batching."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tether.batch import MicroBatch, TrainBatch, collate, split_micro_batches
+from tether.trainer.batch import MicroBatch, TrainBatch, collate, split_micro_batches
 
 PAD = 0
 

@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.engine.batcher import ContinuousBatcher
 from tests.reference_generate import generate_batch
 from tether.engine.kernels import pack_linears
 from tether.engine.sampling import SamplingParams
-from tether.tiny import build_char_tokenizer, build_tiny_model
-from tether.hf import load_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.hf import load_model
 from tether.trainer.step import StepSettings, response_logprobs
 
 

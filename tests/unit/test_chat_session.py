@@ -11,7 +11,7 @@ from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 from tether.rollout.chat_session import ChatRequestError, ChatSession, normalised_messages, parse_hermes
 from tether.rollout.generate_fn import GenerateContext, Generation
 from tether.sample import Sample
-from tether.tiny import _BYTE_LEVEL, CHARS, SPECIAL_TOKENS
+from tether.models.tiny import _BYTE_LEVEL, CHARS, SPECIAL_TOKENS
 
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'tool' %}[{{ m.content }}]{% else %}{{ m.content or '' }}"
             "{% for c in m.tool_calls or [] %}{{ c.function.arguments.x }}{% endfor %}{% endif %}{% endfor %}")

@@ -1,4 +1,4 @@
-"""Unit tests for the non-distributed parts of tether.checkpoint (layout, commit, finding the latest
+"""Unit tests for the non-distributed parts of tether.run.checkpoint (layout, commit, finding the latest
 complete checkpoint) and the learning-rate schedule of tether.trainer.optim."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.checkpoint import (
+from tether.run.checkpoint import (
     LATEST,
     Checkpointer,
     checkpoint_name,
@@ -206,7 +206,7 @@ def test_scheduler_applies_the_multiplier():
 
 
 def test_prune_keeps_the_newest_complete(tmp_path):
-    from tether.checkpoint import prune
+    from tether.run.checkpoint import prune
 
     for rollout_id in range(5):
         _save(tmp_path, rollout_id)
@@ -229,7 +229,7 @@ def test_checkpointer_keeps_metrics_row_and_prunes(tmp_path):
 
 
 def test_manifest_catches_a_truncated_file(tmp_path):
-    from tether.checkpoint import problem
+    from tether.run.checkpoint import problem
 
     path = _save(tmp_path, 0)
     assert problem(path) is None

@@ -9,7 +9,7 @@ import yaml
 
 import tether.config as config_mod
 from tether.cli import main
-from tether.config_raw import apply_overrides
+from tether.config.raw import apply_overrides
 from tether.config import (
     ConfigError,
     Section,
@@ -449,7 +449,7 @@ def test_the_names_the_config_checks_are_the_registered_ones():
 def test_an_optional_package_the_config_needs_is_named_before_anything_starts(tmp_path, monkeypatch):
     import importlib.util
 
-    from tether.preflight import check_inputs
+    from tether.run.preflight import check_inputs
 
     (tmp_path / "m").mkdir()
     (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')

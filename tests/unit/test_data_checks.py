@@ -11,7 +11,7 @@ import pytest
 
 from tether.cli import main
 from tether.rollout.data_source import DatasetError, RowChecks, load_prompt_rows
-from tether.tiny import build_char_tokenizer
+from tether.models.tiny import build_char_tokenizer
 
 GOOD = {"prompt": "1+2=", "label": "3"}
 

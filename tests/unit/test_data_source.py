@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.tiny import build_char_tokenizer
+from tether.models.tiny import build_char_tokenizer
 from tether.rollout.prompt_format import PromptFormat
 from tether.rollout.data_source import DataSource, DatasetError, PromptRow, load_prompt_rows
 from tether.sample import Sample
@@ -273,7 +273,7 @@ def test_sft_rows_read_parquet_too(tmp_path, tok):
 
     from tests.conftest import tiny_config
     from tether.config import config_from_dict
-    from tether.sft import load_sft_rows
+    from tether.sft.run import load_sft_rows
 
     objs = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2=", "response": "4"}]
     pq.write_table(pa.Table.from_pylist(objs), tmp_path / "sft.parquet")

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from tether.algorithms.losses import LossParams
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.engine.base import MEMORY_TAGS
 from tether.engine.core import EngineCore
 from tether.engine.embedded import EmbeddedEngine, EngineError
 from tests.reference_generate import filter_logits, generate_batch, sample_next
 from tether.engine.generate import left_pad
 from tether.engine.sampling import SamplingParams
-from tether.tiny import build_tiny_model
-from tether.hf import load_model
+from tether.models.tiny import build_tiny_model
+from tether.models.hf import load_model
 from tether.trainer.step import StepSettings, forward_logprobs, response_logprobs
 
 PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]
@@ -310,7 +310,7 @@ def test_engine_logprobs_equal_trainer_recomputation(engine, tokenizer, prompts,
 
 def test_forward_logprobs_shapes_and_entropy_modes(model, tokenizer, prompts):
     batch = TrainBatch(tokens=prompts[:3], prompt_lengths=[1, 1, 1], response_lengths=[len(p) - 1 for p in prompts[:3]])
-    from tether.batch import collate
+    from tether.trainer.batch import collate
 
     mb = collate(batch, [0, 1, 2], tokenizer.pad_token_id)
     logprobs, entropy = forward_logprobs(model, mb, 1.0, "none")

@@ -63,7 +63,7 @@ def test_evaluation_is_passed_only_to_functions_that_take_it():
 
 
 def test_inserted_tokens_count_against_the_response_budget():
-    from tether.tiny import build_char_tokenizer
+    from tether.models.tiny import build_char_tokenizer
     from tether.rollout.generate_fn import GenerateContext
 
     tokenizer = build_char_tokenizer()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tether.algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
-from tether.batch import TrainBatch, collate, collate_packed
+from tether.trainer.batch import TrainBatch, collate, collate_packed
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 
 

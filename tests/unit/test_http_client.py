@@ -1,7 +1,7 @@
 import asyncio
 import ssl
 
-from tether.http_client import async_client, tls_context
+from tether.http.client import async_client, tls_context
 
 
 def test_clients_share_one_tls_context_made_once():

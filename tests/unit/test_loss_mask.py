@@ -9,12 +9,12 @@ import torch
 from tether.algorithms.advantages import AdvantageParams
 from tether.algorithms.aggregation import AGGREGATIONS
 from tether.algorithms.losses import LossParams
-from tether.batch import TrainBatch, collate, collate_packed
+from tether.trainer.batch import TrainBatch, collate, collate_packed
 from tether.rollout.manager import to_train_batch
 from tether.sample import Sample
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.critic import Critic, load_value_model
-from tether.hf import load_model
+from tether.models.hf import load_model
 from tether.trainer.step import StepSettings, compute_advantages, train_on_batch
 
 SHAPES = [(3, 9), (5, 1), (2, 14), (4, 0), (6, 5), (3, 3), (2, 20), (4, 7)]

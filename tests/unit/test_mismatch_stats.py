@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.trainer import mismatch
 from tether.trainer.step import mismatch_metrics
 

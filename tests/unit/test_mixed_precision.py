@@ -8,8 +8,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.unit.test_loss_mask import batches, settings
 from tether.config import config_from_dict
-from tether.hf import load_model
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.hf import load_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.model import apply_fsdp, compute_dtype, prepare_for_training
 from tether.trainer.step import train_on_batch
 

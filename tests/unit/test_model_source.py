@@ -12,8 +12,8 @@ import pytest
 
 from tether.cli import main
 from tether.errors import ConfigError
-from tether.model_source import is_hub_id, resolve_model
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.source import is_hub_id, resolve_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -35,7 +35,7 @@ def _resolve_in_subprocess(spec: str, cache: Path, offline: bool = True) -> subp
     env.pop("HF_HUB_OFFLINE", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    code = ("import sys; from tether.model_source import resolve_model\n"
+    code = ("import sys; from tether.models.source import resolve_model\n"
             "try:\n    print(resolve_model(sys.argv[1]))\n"
             "except Exception as err:\n    print(err, file=sys.stderr); sys.exit(2)")
     return subprocess.run([sys.executable, "-c", code, spec], env=env, capture_output=True, text=True, timeout=120)
@@ -50,7 +50,7 @@ def test_hub_id_from_the_cache_loads_as_a_model(tmp_path):
     assert resolved == snapshot
     assert json.loads((resolved / "config.json").read_text())["model_type"] == "qwen2"
 
-    from tether.hf import load_model, load_tokenizer
+    from tether.models.hf import load_model, load_tokenizer
 
     model = load_model(str(resolved), "float32")
     assert model.config.vocab_size == len(load_tokenizer(str(resolved)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.hf import load_model
+from tether.models.hf import load_model
 from tether.trainer.nonfinite import NonFiniteError, NonFiniteGuard
 from tether.trainer.step import train_on_batch
 

@@ -8,11 +8,11 @@ import torch
 
 from tether.algorithms.advantages import AdvantageParams
 from tether.algorithms.aggregation import GlobalCounts
-from tether.hf import load_model
+from tether.models.hf import load_model
 from tether.trainer.step import (assign_ranks, compute_advantages, logprob_mismatch, response_logprobs,
                                  run_global_step, train_on_batch)
 from tests.unit.test_loss_mask import batches, settings
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tether.algorithms.losses import LossParams
-from tether.batch import TrainBatch, collate, collate_packed
-from tether.tiny import build_char_tokenizer, build_tiny_model
+from tether.trainer.batch import TrainBatch, collate, collate_packed
+from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
-from tether.hf import load_model
+from tether.models.hf import load_model
 from tether.trainer.step import StepSettings, forward_logprobs, response_logprobs, train_on_batch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.engine.batcher import ContinuousBatcher
 from tether.engine.prefix_cache import PrefixCache
 from tether.engine.sampling import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 
 from tether.cli import main
 from tether.config import ConfigError, DataConfig, config_from_dict, load_config
-from tether.preflight import check_inputs
+from tether.run.preflight import check_inputs
 from tether.rewards import BUILTIN_REWARDS, compute_rewards
 from tether.rewards.reasoning_gym import (extract_answer, reasoning_gym_format_reward, reasoning_gym_reward,
                                           task_checker)
@@ -95,7 +95,7 @@ def test_bad_sections_name_the_field(change, field):
 @pytest.mark.parametrize("command", ["train", "rollout", "eval"])
 def test_the_commands_generate_and_check_the_data_before_they_run(tmp_path, monkeypatch, command):
     import tether.cli
-    from tether.tiny import build_char_tokenizer, build_tiny_model
+    from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
     build_tiny_model(tmp_path / "model", build_char_tokenizer(), hidden_size=16, num_layers=1, num_heads=2,
                      num_kv_heads=1, intermediate_size=32, max_positions=1024)

@@ -15,7 +15,7 @@ from tether.config import load_config
 from tether.rewards.builtin import math_reward
 from tether.rollout.prompt_format import render_prompt, round_trip_problems, PromptFormat
 from tether.sample import Sample
-from tether.tiny import build_char_tokenizer
+from tether.models.tiny import build_char_tokenizer
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

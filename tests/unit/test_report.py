@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tether.report import report
+from tether.tracking.report import report
 
 
 def test_report_of_a_run(tmp_path, capsys):

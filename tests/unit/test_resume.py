@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tether.config import ConfigError, config_from_dict
-from tether.resume import changed_fields, check_resume_config, trim_jsonl
+from tether.run.resume import changed_fields, check_resume_config, trim_jsonl
 
 
 def dumped(**sections) -> dict:

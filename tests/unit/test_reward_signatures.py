@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tether.config import ConfigError, load_config
-from tether.preflight import check_inputs
+from tether.run.preflight import check_inputs
 from tether.rewards import RewardLoadError, compute_rewards, load_reward_fn
 from tether.sample import Sample
 

@@ -17,7 +17,7 @@ import pytest
 
 from tether.rollout.engine_watch import EngineWatch
 from tether.rollout.fleet import EngineFleet, GenerationError
-from tether.router import EngineLost, NoHealthyWorker, Router
+from tether.rollout.router import EngineLost, NoHealthyWorker, Router
 
 PAYLOAD = {"input_ids": [[1, 2], [1, 3]], "sampling_params": [{"max_new_tokens": 2}] * 2}
 

@@ -1,7 +1,7 @@
 """sglang-router takes one prompt per /generate: batches are split, each prompt keeping its own
 sampling parameters (its seed) and rid."""
 
-from tether.router_sglang import split_batch
+from tether.rollout.router_sglang import split_batch
 
 
 def test_a_batch_splits_into_one_request_per_prompt():

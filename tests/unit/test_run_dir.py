@@ -9,7 +9,7 @@ import pytest
 
 from tether.cli import main
 from tether.config import config_from_dict
-from tether.run_dir import RunDirError, claim
+from tether.run.output_dir import RunDirError, claim
 from tether.train import resolve_resume
 
 

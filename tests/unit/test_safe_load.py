@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tether.checkpoint import load_trainer, rng_state, save_trainer, set_rng_state
-from tether.safe_load import UnsafeCheckpoint
+from tether.run.checkpoint import load_trainer, rng_state, save_trainer, set_rng_state
+from tether.run.safe_load import UnsafeCheckpoint
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -78,7 +78,7 @@ def test_a_value_that_would_run_code_is_refused(tmp_path):
     marker = tmp_path / "ran"
     buf = io.BytesIO()
     torch.save(_RunsCode(str(marker)), buf)
-    from tether.safe_load import SafeLoadPlanner
+    from tether.run.safe_load import SafeLoadPlanner
 
     planner = SafeLoadPlanner()
 
@@ -96,10 +96,10 @@ class _FakeCuda:
     """torch.cuda's generator calls, as a GPU process would see them (none can run here)."""
 
     def __init__(self, monkeypatch, state: int):
-        import tether.checkpoint
+        import tether.run.checkpoint
 
         self.state, self.restored = torch.full((16,), state, dtype=torch.uint8), []
-        monkeypatch.setattr(tether.checkpoint, "CUDA", self)
+        monkeypatch.setattr(tether.run.checkpoint, "CUDA", self)
 
     def is_available(self) -> bool:
         return True

@@ -15,8 +15,8 @@ from tests.reference_generate import (filter_logits, filter_logits_rows, filter_
                                       sample_next)
 from tether.engine.generate import GenerateOutput
 from tether.engine.sampling import SamplingParams
-from tether.tiny import build_tiny_model
-from tether.hf import load_model
+from tether.models.tiny import build_tiny_model
+from tether.models.hf import load_model
 
 PROMPTS = ["1+2=", "hello world", "a", "12*34=?", "x", "The sum of 3 and 4 is"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tether.serve import serve
+from tether.engine.serve import serve
 
 
 def test_serve_on_all_interfaces_needs_tether_api_key(monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from tether.config import config_from_dict
 from tether.rollout.prompt_format import DatasetError
-from tether.sft_data import conversation_ids, load_sft_rows
+from tether.sft.data import conversation_ids, load_sft_rows
 
 CONVERSATION = [{"role": "system", "content": "Answer with a number."},
                 {"role": "user", "content": "What is 17 + 25?"},

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config
-from tether.batch import collate
+from tether.trainer.batch import collate
 from tether.config import config_from_dict
 from tether.rollout.prompt_format import DatasetError
-from tether.sft import batches, load_sft_rows
-from tether.tiny import build_char_tokenizer
+from tether.sft.run import batches, load_sft_rows
+from tether.models.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,8 @@ def stand_in(tiny_model_dir):
     from tether.engine.core import EngineCore
     from tether.engine.embedded import EmbeddedEngine, EngineError
     from tether.engine.server import build_app
-    from tether.hf import load_tokenizer
-    from tether.http_server import ThreadedServer
+    from tether.models.hf import load_tokenizer
+    from tether.http.server import ThreadedServer
 
     engine = EmbeddedEngine(str(tiny_model_dir))
     core = EngineCore(engine, load_tokenizer(str(tiny_model_dir)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from tether.tiny import CHARS, build_char_tokenizer, build_tiny_model
+from tether.models.tiny import CHARS, build_char_tokenizer, build_tiny_model
 
 TEXTS = ["add 1 2 3 =", "max of 4 9 2 is 9\n", "a , b . c ' d  e", "\\boxed{12} <eos>", CHARS]
 

@@ -12,7 +12,7 @@ from tether.engine.base import EngineBackend, node_address
 from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits
 from tether.weight_sync.base import copy_threads
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tether.config import TetherConfig
-from tether.http_guard import ServerLimits, api_key_from_env
+from tether.http.guard import ServerLimits, api_key_from_env
 
 EngineSpec = tuple[type, dict[str, Any]]  # (actor class, constructor keyword arguments)
 
 
 def server_limits(cfg: TetherConfig) -> ServerLimits:
-    """What the engines' HTTP servers enforce (tether/http_guard.py), from cluster.api_key and server:."""
+    """What the engines' HTTP servers enforce (tether/http/guard.py), from cluster.api_key and server:."""
     s = cfg.server
     return ServerLimits(api_key=cfg.cluster.api_key or api_key_from_env(), require_key_for_generate=s.require_key_for_generate,
                         max_body_bytes=int(s.max_request_mb * 2**20), max_weight_body_bytes=int(s.max_weight_request_mb * 2**20),

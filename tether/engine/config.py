@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tether.config_base import Section
+from tether.config.base import Section
 
 
 class ServerProcessConfig(Section):

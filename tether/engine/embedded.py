@@ -12,7 +12,7 @@ import torch
 
 from tether.engine.base import KV_CACHE, WEIGHTS, Engine, check_tags
 from tether.engine.kernels import drop_packed, onednn_available, pack_linears
-from tether.hf import load_model, load_tokenizer
+from tether.models.hf import load_model, load_tokenizer
 
 
 class EngineError(RuntimeError):

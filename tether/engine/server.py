@@ -22,15 +22,15 @@ from fastapi import FastAPI, HTTPException
 
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
-from tether.faults import engine_fault
+from tether.run.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
 from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
 from tether.engine.protocol import (
     AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, PauseIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
     UpdateWeightsIn, include_usage, openai_usage, response,
 )
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
-from tether.http_server import ThreadedServer
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits, guard
+from tether.http.server import ThreadedServer
 from tether.weight_sync.group import GroupJoiner, JoinError, Receiver
 from tether.errors import TIMEOUTS
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tether.http_client import sync_client
+from tether.http.client import sync_client
 
 from tether.errors import EngineStartError
 

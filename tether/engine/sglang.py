@@ -55,9 +55,9 @@ import torch
 from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import SglangConfig
 from tether.engine.server_process import ServerProcess
-from tether.http_client import engine_headers, sync_client
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits
-from tether.http_server import free_port
+from tether.http.client import engine_headers, sync_client
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits
+from tether.http.server import free_port
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket, shared_memory_room
 

@@ -27,10 +27,10 @@ from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import VllmConfig
 from tether.engine.server_process import ServerProcess
 from tether.engine.vllm_adapter import build_vllm_adapter
-from tether.hf import load_tokenizer
-from tether.http_client import sync_client
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits
-from tether.http_server import ThreadedServer, free_port
+from tether.models.hf import load_tokenizer
+from tether.http.client import sync_client
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits
+from tether.http.server import ThreadedServer, free_port
 from tether.weight_sync.group import DTYPE_NAMES, GroupJoiner
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import httpx
 from fastapi import FastAPI, HTTPException
 
-from tether.faults import engine_fault
+from tether.run.faults import engine_fault
 from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
 from tether.engine.protocol import (AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
                                     UpdateWeightsIn)
-from tether.http_client import async_client, pool_limits
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits, guard
+from tether.http.client import async_client, pool_limits
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.weight_sync.group import JoinError
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id

@@ -18,7 +18,7 @@ import asyncio
 
 import httpx
 
-from tether.http_client import async_client
+from tether.http.client import async_client
 from tether.rewards.loader import RewardError
 from tether.sample import Sample
 

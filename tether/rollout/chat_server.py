@@ -19,8 +19,8 @@ from fastapi.responses import StreamingResponse
 
 from tether.engine.protocol import include_usage
 from tether.engine.streaming import chat_reply_events
-from tether.http_guard import ServerLimits, guard
-from tether.http_server import ThreadedServer
+from tether.http.guard import ServerLimits, guard
+from tether.http.server import ThreadedServer
 from tether.rollout.chat_session import ChatRequestError, ChatSession, SessionAborted
 
 

@@ -48,7 +48,7 @@ def load_keys(cfg: TetherConfig) -> dict[str, Any]:
 
 def not_generated(field: str) -> ConfigError:
     """A reasoning_gym: section reached a loader without files: only check_inputs writes them."""
-    return ConfigError(f"{field}.reasoning_gym: its problems are not written yet; tether.preflight.check_inputs"
+    return ConfigError(f"{field}.reasoning_gym: its problems are not written yet; tether.run.preflight.check_inputs"
                        "(cfg, command) writes them and points the config at the files (the CLI runs it first)")
 
 
@@ -72,7 +72,7 @@ def load_eval_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> 
 def check_prompt_data(cfg: TetherConfig) -> list[str]:
     """Load every prompt and eval row as the run will; raises DatasetError naming the file and line of
     the first bad row (with data.skip_bad_rows: returns what would be skipped, one line per row)."""
-    from tether.hf import load_tokenizer
+    from tether.models.hf import load_tokenizer
 
     positions = model_positions(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.path)

@@ -30,7 +30,7 @@ from typing import Iterator
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client, engine_headers, pool_limits
+from tether.http.client import async_client, engine_headers, pool_limits
 from tether.rollout.fleet import EngineFleet, split_groups
 from tether.rollout.generate_fn import CustomGenerate
 from tether.rollout.group_runner import Group, GroupRunner, KeepFn, ScoreFn

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import httpx
 
-from tether.http_client import engine_headers, sync_client
-from tether.router import Router
+from tether.http.client import engine_headers, sync_client
+from tether.rollout.router import Router
 
 
 class EngineWatch:

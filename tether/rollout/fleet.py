@@ -17,7 +17,7 @@ import time
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.router import EngineLost, NoHealthyWorker, Router
+from tether.rollout.router import EngineLost, NoHealthyWorker, Router
 from tether.sample import Sample
 
 
@@ -64,7 +64,7 @@ class EngineFleet:
         if not urls:
             raise ValueError("EngineFleet needs at least one engine URL")
         if router == "sglang_router":
-            from tether.router_sglang import SglangRouterFront
+            from tether.rollout.router_sglang import SglangRouterFront
 
             self.router: Router = SglangRouterFront(urls, timeout_s=timeout_s, log_dir=log_dir)
         else:

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import httpx
 
 from tether.config import TetherConfig
-from tether.config_raw import resolve_spec
+from tether.config.raw import resolve_spec
 from tether.engine.sampling import SamplingParams
 from tether.importing import load_function
 from tether.rollout.fleet import sampling_payload

@@ -28,7 +28,7 @@ import httpx
 from tether.engine.sampling import SamplingParams
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate, GenerateError, group_tokens
-from tether.router import EngineLost
+from tether.rollout.router import EngineLost
 from tether.sample import Sample
 
 Group = list[Sample]

@@ -21,7 +21,7 @@ from tether.cluster import Placement, actor_resources, dead_actors, key_env, log
 from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
-from tether.faults import ENGINE_FAULT, crash_point
+from tether.run.faults import ENGINE_FAULT, crash_point
 from tether.scheduling import wait_started
 from tether.rollout.manager import FAULTS, MANAGER_SECONDS, RolloutManager
 
@@ -53,7 +53,7 @@ def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
 
 
 def engine_env(c) -> dict:
-    """key_env, and the engine fault a test asked for (TETHER_ENGINE_FAULT, see tether/faults.py)."""
+    """key_env, and the engine fault a test asked for (TETHER_ENGINE_FAULT, see tether/run/faults.py)."""
     options = key_env(c)
     if ENGINE_FAULT in os.environ:
         env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
 from tether.rewards.loader import RewardLoadError, set_reward
@@ -40,7 +40,7 @@ from tether.rollout.stream import STREAM_STATE, RolloutStream, StreamSettings, s
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.sample import Sample
-from tether.hf import load_tokenizer
+from tether.models.hf import load_tokenizer
 
 DATA_STATE = "data_source.json"
 

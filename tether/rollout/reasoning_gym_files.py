@@ -1,7 +1,7 @@
 """Generated prompts as files: data.reasoning_gym and the eval sets with reasoning_gym become ordinary
 prompt JSONL in <output_dir>/data/, and the config names those files instead, before anything reads it.
 
-``materialise`` runs once, from tether.preflight.check_inputs, which every command runs before anything
+``materialise`` runs once, from tether.run.preflight.check_inputs, which every command runs before anything
 starts; from then on the run is one over files (the loader, the row checks, shuffling, the resumable
 position, the rollout manager's copy of the config), and the config written with checkpoints names the
 files. A row: {prompt: the question, label: the answer, metadata: {task, settings, entry}} (under the
@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from tether.config import DataConfig, EvalDatasetConfig, TetherConfig
-from tether.reasoning_gym_config import ReasoningGymData, ReasoningGymEval
+from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval
 from tether.rollout.reasoning_gym_data import Problem, TaskMix, generate, json_safe
 
 

@@ -29,7 +29,7 @@ import httpx
 
 from tether.config import TetherConfig
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client, engine_headers
+from tether.http.client import async_client, engine_headers
 from tether.importing import load_function
 from tether.rollout.buffer import PartialBuffer
 from tether.rollout.data_source import DataSource

@@ -47,7 +47,7 @@ from typing import Any, Awaitable, Callable, Literal
 import httpx
 
 from tether.engine.sampling import SamplingParams
-from tether.http_client import async_client, engine_headers, pool_limits
+from tether.http.client import async_client, engine_headers, pool_limits
 from tether.rollout.data_source import DataSource
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate

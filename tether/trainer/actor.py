@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tether.algorithms.advantages import NEEDS_VALUES, AdvantageParams
 from tether.algorithms.losses import LossParams
-from tether.batch import TrainBatch
-from tether.checkpoint import load_trainer, read_meta, save_trainer
+from tether.trainer.batch import TrainBatch
+from tether.run.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
-from tether.hf import load_model, load_tokenizer
+from tether.models.hf import load_model, load_tokenizer
 from tether.trainer.model import full_tensors, prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard

@@ -18,9 +18,9 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.losses import value_loss
-from tether.batch import MicroBatch, TrainBatch
+from tether.trainer.batch import MicroBatch, TrainBatch
 from tether.config import TetherConfig
-from tether.hf import DTYPES
+from tether.models.hf import DTYPES
 from tether.trainer.model import prepare_for_training
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import RLInputs, StepSettings, grad_norm, micro_batches, place

@@ -8,7 +8,7 @@ from typing import Any
 import ray
 
 from tether.cluster import ActorGroup, Placement, actor_resources, key_env, torch_threads, wait
-from tether.faults import crash_point
+from tether.run.faults import crash_point
 from tether.config import TetherConfig
 from tether.trainer.actor import TrainActor
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tether.algorithms.logprobs import head_logprobs, logprobs_and_entropy
-from tether.batch import MicroBatch
+from tether.trainer.batch import MicroBatch
 
 _CHECKED = "_tether_chunked_head_ok"
 

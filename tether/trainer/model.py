@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from tether.config import TetherConfig
-from tether.hf import DTYPES
+from tether.models.hf import DTYPES
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -27,7 +27,7 @@ from tether.algorithms.advantages import AdvantageInputs, AdvantageParams, get_a
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.kl import kl_estimate
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
-from tether.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
+from tether.trainer.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
 from tether.trainer import mismatch
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from tether.http_client import engine_headers, sync_client
+from tether.http.client import engine_headers, sync_client
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
 from tether.weight_sync.group import DTYPE_NAMES, join_group, leave_group
 from tether.errors import TIMEOUTS

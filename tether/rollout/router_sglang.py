@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from tether.engine.server_process import ServerProcess
-from tether.http_server import free_port
-from tether.router import Router, Worker
+from tether.http.server import free_port
+from tether.rollout.router import Router, Worker
 
 STARTUP_TIMEOUT_S = 120.0
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tether.checkpoint import HF_CONFIG, META, find_latest, read_meta
-from tether.hf import DTYPES
-from tether.safe_load import SafeLoadPlanner, SafeReader
+from tether.run.checkpoint import HF_CONFIG, META, find_latest, read_meta
+from tether.models.hf import DTYPES
+from tether.run.safe_load import SafeLoadPlanner, SafeReader
 
 
 def resolve_checkpoint(source: str | Path) -> Path:

@@ -14,16 +14,16 @@ import ray
 
 from tether.cluster import plan_placement
 from tether.config import TetherConfig
-from tether.evaluate import run_evals, scores_table
+from tether.run.evaluate import run_evals, scores_table
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
-from tether.sft_data import batches, load_sft_rows, response_segments  # noqa: F401 (the SFT data, re-exported)
-from tether.checkpoint import Checkpointer
+from tether.sft.data import batches, load_sft_rows, response_segments  # noqa: F401 (the SFT data, re-exported)
+from tether.run.checkpoint import Checkpointer
 from tether.config import public_dict
 from tether.loop import save
 from tether.rollout.manager import DATA_STATE
 from tether.train import make_tracker, resolve_resume
 from tether.trainer.group import TrainerGroup
-from tether.hf import load_tokenizer
+from tether.models.hf import load_tokenizer
 
 
 class SftPosition:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
-from tether.config_base import Section
+from tether.config.base import Section
 
 Weight = Annotated[float, Field(gt=0)]
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tether.config_base import Section
+from tether.config.base import Section
 
 
 class RolloutConfig(Section):

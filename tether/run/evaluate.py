@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tether.checkpoint import META, find_latest
+from tether.run.checkpoint import META, find_latest
 from tether.cluster import plan_placement
 from tether.engine.backends import placed_engines
 from tether.config import ConfigError, TetherConfig, config_from_dict
@@ -27,11 +27,11 @@ def model_dir(source: str, out: Path, field: str = "--model") -> str:
     if (path / "config.json").is_file():
         return str(path)
     if (path / META).is_file() or find_latest(path) is not None:
-        from tether.export import export_checkpoint
+        from tether.models.export import export_checkpoint
 
         return str(export_checkpoint(path, out / "model"))
     if not path.exists():
-        from tether.model_source import is_hub_id, resolve_model
+        from tether.models.source import is_hub_id, resolve_model
 
         if is_hub_id(source):
             return resolve_model(source, field)
@@ -100,7 +100,7 @@ def evaluate(cfg: TetherConfig, model: str | None, out: str | None) -> dict:
     out_dir = Path(out or Path(cfg.output_dir) / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir(model or cfg.model.path, out_dir, "--model" if model else "model.path")
-    from tether.architectures import check_architecture
+    from tether.models.architectures import check_architecture
 
     check_architecture(path, "--model" if model else "model.path")
     metrics = run_evals(cfg, path, out_dir)

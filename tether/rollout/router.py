@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tether.http_client import engine_headers, sync_client
+from tether.http.client import engine_headers, sync_client
 
 
 class NoHealthyWorker(RuntimeError):

@@ -16,7 +16,7 @@ import threading
 
 from tether.config import LOOPBACK
 from tether.engine.base import EngineBackend
-from tether.http_guard import DEFAULT_LIMITS, ServerLimits, api_key_from_env
+from tether.http.guard import DEFAULT_LIMITS, ServerLimits, api_key_from_env
 
 
 def start_backend(engine: str, model: str, host: str, port: int, dtype: str, vllm_python: str | None,

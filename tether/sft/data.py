@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tether.batch import TrainBatch
+from tether.trainer.batch import TrainBatch
 from tether.config import TetherConfig
 from tether.rollout.data_source import read_rows
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,

@@ -17,11 +17,11 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tether.algorithms.names import POLICY_LOSS_NAMES, TOKEN_LEVEL
-from tether.config_base import Section
-from tether.config_raw import apply_overrides, resolve_function_specs
+from tether.config.base import Section
+from tether.config.raw import apply_overrides, resolve_function_specs
 from tether.engine.config import ServerConfig, SglangConfig, VllmConfig
-from tether.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
-from tether.rollout_config import RolloutConfig
+from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
+from tether.rollout.config import RolloutConfig
 from tether.errors import ConfigError
 
 

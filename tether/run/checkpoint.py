@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tether.errors import CheckpointSaveError
-from tether.safe_load import SafeLoadPlanner, SafeReader
+from tether.run.safe_load import SafeLoadPlanner, SafeReader
 
 LATEST = "latest"
 META = "meta.json"
