@@ -10,8 +10,8 @@ rollout, so the same number of samples for each) from the quickstart's SFT model
 
     sync-colocated   the default: trainer and engine take turns on the same 2 cores
     sync-split       the engine on its own bundle (cluster.colocate=false), still taking turns
-    one-step-off     rollout.max_staleness=1: rollout k+1 generates while the trainer trains on k
-    fully-async-k1   rollout.async_mode=fully_async, max_staleness=1: groups stream across train steps
+    one-step-off     rollout.schedule.mode=one_step_off: rollout k+1 generates while the trainer trains on k
+    fully-async-k1   rollout.schedule.mode=fully_async, max_staleness=1: groups stream across train steps
     fully-async-k2   the same with max_staleness=2
     fully-async-k2-tis   and with algorithm.rollout_correction=token_clip (truncated importance
                      sampling against the engine's log-probs, which are up to 2 versions old)
@@ -46,13 +46,13 @@ SYNC = ("sync-colocated", "sync-split")
 LAYOUTS = {
     "sync-colocated": [],
     "sync-split": ["cluster.colocate=false"],
-    "one-step-off": ["cluster.colocate=false", "rollout.max_staleness=1"],
-    "fully-async-k1": ["cluster.colocate=false", "rollout.max_staleness=1", "rollout.async_mode=fully_async"],
-    "fully-async-k2": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async"],
-    "fully-async-k2-tis": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async",
+    "one-step-off": ["cluster.colocate=false", "rollout.schedule.mode=one_step_off"],
+    "fully-async-k1": ["cluster.colocate=false", "rollout.schedule.mode=fully_async", "rollout.schedule.max_staleness=1"],
+    "fully-async-k2": ["cluster.colocate=false", "rollout.schedule.mode=fully_async", "rollout.schedule.max_staleness=2"],
+    "fully-async-k2-tis": ["cluster.colocate=false", "rollout.schedule.mode=fully_async", "rollout.schedule.max_staleness=2",
                            "algorithm.rollout_correction=token_clip"],
     "sync-dapo": ["rollout.dynamic_filter=nonzero_reward_std", "rollout.over_sampling_groups=48"],
-    "fully-async-k2-dapo": ["cluster.colocate=false", "rollout.max_staleness=2", "rollout.async_mode=fully_async",
+    "fully-async-k2-dapo": ["cluster.colocate=false", "rollout.schedule.mode=fully_async", "rollout.schedule.max_staleness=2",
                             "rollout.dynamic_filter=nonzero_reward_std", "rollout.over_sampling_groups=48"],
 }
 

@@ -5,7 +5,7 @@
     python bench/engine.py --model-dir DIR # any HF model folder (its own row)
     python bench/engine.py --vllm          # also vLLM (CPU build, installed into ~/.cache/tether on first use):
                                            # offline (LLM.generate), `vllm serve` over HTTP, and the same server
-                                           # through tether's vLLM backend (rollout.engine: vllm)
+                                           # through tether's vLLM backend (engine.backend: vllm)
     python bench/engine.py --quick         # a smaller shape, for a smoke run
 
 Prints one table: generated tokens per second of each engine on each model, and tether's speed-up
@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tether.config import RolloutConfig  # noqa: E402
+from tether.engine.config import EmbeddedEngineConfig  # noqa: E402
 from tether.engine.core import start_engine_core  # noqa: E402
 from tether.engine.embedded import EmbeddedEngine  # noqa: E402
 from tether.engine.sampling import SamplingParams  # noqa: E402
@@ -92,7 +92,7 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -
 def bench_tether(path: Path, prompts, n: int, new_tokens: int) -> float:
     # As an engine actor serves (with the config's defaults): the model loaded off the calling
     # thread, the core's worker decodes.
-    defaults = RolloutConfig()
+    defaults = EmbeddedEngineConfig()
     core = start_engine_core(lambda: EmbeddedEngine(str(path), onednn_linear=defaults.onednn_linear),
                              max_batch=len(prompts) * n, max_batch_tokens=1 << 20,
                              prefix_cache_tokens=defaults.prefix_cache_tokens)
@@ -162,7 +162,7 @@ def vllm_python() -> Path:
 def bench_vllm_server(path: Path, prompts, n: int, new_tokens: int) -> tuple[float, float]:
     """(tokens/s straight to `vllm serve`, tokens/s through tether's vLLM backend) on one server.
 
-    The server is the one rollout.engine: vllm starts (tether/engine/vllm.py). Direct: one request per
+    The server is the one engine.backend: vllm starts (tether/engine/vllm.py). Direct: one request per
     sample to vLLM's /inference/v1/generate, all in flight at once. Through tether: the rollout's
     requests (SGLang /generate, one per group of n samples, with log-probs) to the engine actor's
     adapter, which fans each out to vLLM. Each is measured twice, alternating; the best counts."""

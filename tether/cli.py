@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
     serve = sub.add_parser("serve", help="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run",
                            description="serve a model as an engine (SGLang/OpenAI HTTP API), outside a run; "
-                           "usable as rollout.external_engines")
+                           "usable as engine.backend: external")
     serve.add_argument("--model", required=True, help="an HF model directory or a Hugging Face Hub id")
     serve.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     serve.add_argument("--host", default="127.0.0.1")
@@ -106,7 +106,6 @@ def _local_ray_auth(cfg: TetherConfig) -> None:
 
 
 def _run(args: argparse.Namespace, cfg: TetherConfig) -> None:
-    _local_ray_auth(cfg)
     if args.command == "train":
         from tether.train import train
 
@@ -177,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "eval":  # eval resolves its --model (or model.path) where it picks the model
             cfg.model.path = _resolved(cfg.model.path, "model.path")
         check_inputs(cfg, args.command)
+        _local_ray_auth(cfg)  # before the checks below import Ray (through the rollout manager)
         if args.command in ("train", "eval", "rollout"):
             from tether.rollout.data_checks import check_prompt_data
             from tether.rollout.manager import check_user_functions

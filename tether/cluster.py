@@ -105,7 +105,7 @@ class Placement:
 
 def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
     """Reserve bundles for the layout and wait until Ray grants them. ``engines``: how many engines
-    need bundles (default cluster.num_engines; 0 when they run elsewhere, rollout.external_engines)."""
+    need bundles (default cluster.num_engines; 0 when they run elsewhere, engine.backend: external)."""
     n_train, n_engine = cfg.num_train_actors, cfg.num_engines if engines is None else engines
     n_bundles = max(n_train, n_engine) if cfg.colocate else n_train + n_engine
     bundle: dict[str, float] = {"CPU": cfg.cpus_per_bundle}

@@ -15,7 +15,7 @@ after the push, as the synchronous loop does. A run resumed from that checkpoint
 exactly where the uninterrupted run stood, and continues identically.
 
 Fully async: groups stream through the engines without a barrier (tether/rollout/stream.py); each
-iteration takes the next finished groups at most max_staleness versions old, trains on them, and
+iteration takes the next finished groups at most schedule.max_staleness versions old, trains on them, and
 pushes the new weights while the stream is paused. Checkpoints and evals do not drain anything: the
 stream's state (its data position and the groups drawn and not yet trained on) is saved with the
 checkpoint, and evals generate beside the stream on the new weights.

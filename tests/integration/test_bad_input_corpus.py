@@ -78,7 +78,7 @@ CONFIGS = {
     "micro-above-global": ({"train": {"micro_batch_size": 64, "global_batch_size": 8}}, r"micro_batch_size"),
     "unknown-loss": ({"algorithm": {"policy_loss": "ppo_clipped"}}, r"algorithm\.policy_loss"),
     "unknown-estimator": ({"algorithm": {"advantage_estimator": "grpo2"}}, r"algorithm\.advantage_estimator"),
-    "unknown-engine": ({"rollout": {"engine": "tensorrt"}}, r"rollout\.engine"),
+    "unknown-engine": ({"engine": {"backend": "tensorrt"}}, r"engine"),
     "reward-file-missing": ({"rollout": {"reward": "/nonexistent/reward.py:score"}}, r"rollout\.reward"),
     "reward-fn-missing": ({"rollout": {"reward": FN + "no_such_reward"}}, r"rollout\.reward.*no_such_reward"),
     "filter-fn-missing": ({"rollout": {"dynamic_filter": FN + "no_such_filter"}}, r"rollout\.dynamic_filter"),
@@ -86,7 +86,7 @@ CONFIGS = {
     "loss-fn-missing": ({"algorithm": {"policy_loss": FN + "no_such_loss"}}, r"algorithm\.policy_loss"),
     "model-path-missing": ({"model": {"path": "/nonexistent/model"}}, r"model\.path"),
     "data-path-missing": ({"data": {"path": "/nonexistent/train.jsonl"}}, r"data\.path"),
-    "public-host-without-key": ({"rollout": {"engine_host": "0.0.0.0"}}, r"cluster\.api_key"),
+    "public-host-without-key": ({"engine": {"host": "0.0.0.0"}}, r"cluster\.api_key"),
     "zero-train-actors": ({"cluster": {"num_train_actors": 0}}, r"cluster\.num_train_actors"),
 }
 

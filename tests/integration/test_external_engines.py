@@ -1,4 +1,4 @@
-"""rollout.external_engines: a run uses engine servers it did not start (here `tether serve`, a
+"""engine.backend: external: a run uses engine servers it did not start (here `tether serve`, a
 separate process outside Ray), places nothing for them, and pushes its weights to them over the
 distributed transport."""
 
@@ -45,7 +45,7 @@ def test_a_run_trains_with_an_engine_it_did_not_start(served, ray_session, tiny_
     raw = tiny_config(tiny_model_dir, addition_data, tmp_path / "run",
                       cluster={"colocate": False, "weight_sync": "distributed", "num_train_actors": 1,
                                "num_engines": 1, "call_timeout_s": 120, "collective_timeout_s": 60, "torch_threads": 1},
-                      rollout={"external_engines": [served]})
+                      engine={"backend": "external", "urls": [served]})
     train(config_from_dict(raw))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "mismatch/logprob_abs_diff_max" in r]
@@ -59,10 +59,10 @@ def test_a_run_trains_with_an_engine_it_did_not_start(served, ray_session, tiny_
 def test_external_engines_need_the_distributed_transport_and_matching_counts(tiny_model_dir, addition_data, tmp_path):
     base = tiny_config(tiny_model_dir, addition_data, tmp_path / "run")
     with pytest.raises(ConfigError, match="cluster.weight_sync=distributed"):
-        config_from_dict({**base, "rollout": {**base["rollout"], "external_engines": ["http://127.0.0.1:1"]}})
+        config_from_dict({**base, "engine": {"backend": "external", "urls": ["http://127.0.0.1:1"]}})
     with pytest.raises(ConfigError, match="cluster.num_engines=1"):
         config_from_dict({**base, "cluster": {**base["cluster"], "colocate": False, "weight_sync": "distributed"},
-                          "rollout": {**base["rollout"], "external_engines": ["http://a:1", "http://b:1"]}})
+                          "engine": {"backend": "external", "urls": ["http://a:1", "http://b:1"]}})
     with pytest.raises(ConfigError, match="http"):
         config_from_dict({**base, "cluster": {**base["cluster"], "colocate": False, "weight_sync": "distributed"},
-                          "rollout": {**base["rollout"], "external_engines": ["127.0.0.1:1"]}})
+                          "engine": {"backend": "external", "urls": ["127.0.0.1:1"]}})

@@ -187,7 +187,7 @@ def test_partial_rollout_buffer_survives_a_kill(tiny_model_dir, addition_data, t
     straight_cfg = write_config(tmp_path, tiny_model_dir, addition_data, "partial", rollout=partial)
     tether_train(straight_cfg)
     out = tmp_path / "partial"
-    buffer = json.loads((find_latest(out / "checkpoints")[0] / "rollout_buffer.json").read_text())
+    buffer = json.loads((find_latest(out / "checkpoints")[0] / "data_source.json").read_text())["buffer"]
     assert len(buffer["groups"]) == 2 and all(len(g) == 4 for g in buffer["groups"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["rollout/groups_continued"] for r in rows][:2] == [0, 2]
@@ -202,11 +202,11 @@ def test_partial_rollout_buffer_survives_a_kill(tiny_model_dir, addition_data, t
 
 
 def test_one_step_off_overlaps_and_resumes_exactly(tiny_model_dir, addition_data, tmp_path):
-    """rollout.max_staleness 1 on 1 trainer + 1 engine: rollouts 1 and 5 generate during the train
+    """rollout.schedule.mode one_step_off on 1 trainer + 1 engine: rollouts 1 and 5 generate during the train
     steps before them (the pipeline drains before the checkpoints after 1, 2, 3 and 5). Killed while a
     rollout is in flight and while one trains, and resumed, it trains on the same samples to the same
     weights as its uninterrupted run."""
-    overlap = {"max_staleness": 1}
+    overlap = {"schedule": {"mode": "one_step_off"}}
     straight_cfg = write_config(tmp_path, tiny_model_dir, addition_data, "async", rollout=overlap, colocate=False)
     tether_train(straight_cfg)
     out = tmp_path / "async"
@@ -236,7 +236,7 @@ def stream_rows(out: Path) -> list[dict]:
 def assert_prompt_accounting(out: Path) -> None:
     """Against the last checkpoint's stream state: every prompt drawn so far was trained once (per
     epoch) or is still waiting in the stream (ready, or to generate), and nothing twice."""
-    state = json.loads((find_latest(out / "checkpoints")[0] / "rollout_stream.json").read_text())
+    state = json.loads((find_latest(out / "checkpoints")[0] / "data_source.json").read_text())["stream"]
     trained = Counter((r["epoch"], r["prompt_index"]) for r in stream_rows(out) if r["sample_index"] == 0)
     waiting = Counter((f["epoch"], f["samples"][0]["prompt_index"]) for f in state["ready"] + state["pending"])
     assert max((trained + waiting).values()) == 1, [key for key, n in (trained + waiting).items() if n > 1]
@@ -249,10 +249,10 @@ def assert_prompt_accounting(out: Path) -> None:
 
 def test_fully_async_bounds_staleness_and_a_killed_run_trains_every_prompt_once(tiny_model_dir, addition_data,
                                                                                 tmp_path):
-    """rollout.async_mode fully_async, max_staleness 2, on 1 trainer + 1 engine: every trained token is
+    """rollout.schedule.mode fully_async, max_staleness 2, on 1 trainer + 1 engine: every trained token is
     at most 2 versions old; killed while a take waits, while one trains and while a checkpoint is half
     written, and resumed, the run still trains on every prompt it drew once, and none twice."""
-    stream = {"max_staleness": 2, "async_mode": "fully_async", "max_response_len": 8}
+    stream = {"schedule": {"mode": "fully_async", "max_staleness": 2}, "max_response_len": 8}
     straight_cfg = write_config(tmp_path, tiny_model_dir, addition_data, "stream", rollout=stream, colocate=False,
                                 deterministic=False)
     tether_train(straight_cfg)

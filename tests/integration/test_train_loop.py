@@ -82,7 +82,7 @@ def test_save_then_load_continues(ray_session, tiny_model_dir, addition_data, tm
     train(config_from_dict(first))
     assert find_latest(out / "checkpoints")[1] == 1
     data_state = json.loads((out / "checkpoints" / "rollout_000001" / "data_source.json").read_text())
-    assert data_state["offset"] == 8  # two rollouts of 4 prompts were drawn
+    assert data_state["data"]["offset"] == 8  # two rollouts of 4 prompts were drawn
 
     # Extend the run to 4 rollouts and resume: rollouts 2 and 3 run, nothing before them again.
     second = tiny_config(tiny_model_dir, addition_data, out, rollout={"num_rollout": 4},

@@ -394,11 +394,11 @@ def test_top_level_fields_have_descriptions():
 
 def test_engines_on_other_interfaces_need_an_api_key(monkeypatch):
     monkeypatch.delenv("TETHER_API_KEY", raising=False)
-    err = _error(_raw(rollout={"engine_host": "0.0.0.0"}))
-    assert "rollout.engine_host=0.0.0.0" in err and "cluster.api_key" in err
-    config_from_dict(_raw(rollout={"engine_host": "0.0.0.0"}, cluster={"api_key": "k"}))
+    err = _error(_raw(engine={"host": "0.0.0.0"}))
+    assert "engine.host=0.0.0.0" in err and "cluster.api_key" in err
+    config_from_dict(_raw(engine={"host": "0.0.0.0"}, cluster={"api_key": "k"}))
     monkeypatch.setenv("TETHER_API_KEY", "k")
-    config_from_dict(_raw(rollout={"engine_host": "0.0.0.0"}))
+    config_from_dict(_raw(engine={"host": "0.0.0.0"}))
 
 
 def test_the_api_key_never_reaches_written_config():
@@ -472,3 +472,46 @@ def test_cli_export_and_serve_name_bad_input_without_a_traceback(tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(tmp_path), "--dtype", "float16"])
     assert "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, words", [
+    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async", "pause_mode": "recompute"}},
+     ["rollout.max_staleness, rollout.async_mode, rollout.pause_mode moved into rollout.schedule",
+      "rollout: {schedule: {mode: fully_async, max_staleness: 2, pause_mode: recompute}}"]),
+    ({"rollout": {"max_staleness": 1}}, ["rollout: {schedule: {mode: one_step_off}}"]),
+    ({"rollout": {"max_staleness": 0, "stale_groups": "drop"}}, ["rollout: {schedule: {mode: sync}}"]),
+    ({"rollout": {"engine": "vllm", "engine_host": "0.0.0.0"}},
+     ["rollout.engine, rollout.engine_host moved to the engine section", "engine: {backend: vllm, host: 0.0.0.0}"]),
+    ({"rollout": {"external_engines": ["http://a:1"]}}, ["engine: {urls: ['http://a:1'], backend: external}"]),
+    ({"rollout": {"max_batch_tokens": 4096}}, ["engine: {max_batch_tokens: 4096}"]),
+    ({"vllm": {"max_model_len": 512}}, ["the vllm section(s) moved into the engine section",
+                                        "engine: {backend: vllm, <the same fields>}"]),
+])
+def test_older_spellings_get_the_new_one_with_their_values(old, words):
+    err = _error(_raw(**old))
+    assert all(w in err for w in words), err
+
+
+def test_schedule_and_engine_unions_pick_their_variant_from_their_key():
+    cfg = load_config(None, ["model.path=m", "cluster.colocate=false", "rollout.schedule.mode=fully_async",
+                             "rollout.schedule.max_staleness=3", "engine.backend=vllm", "engine.max_model_len=512"])
+    assert (cfg.rollout.schedule.mode, cfg.rollout.schedule.max_staleness) == ("fully_async", 3)
+    assert (cfg.engine.backend, cfg.engine.max_model_len, cfg.engine.host) == ("vllm", 512, "127.0.0.1")
+    plain = config_from_dict(_raw(engine={"max_batch_tokens": 4096}))  # no backend: the default one's settings
+    assert (plain.engine.backend, plain.engine.max_batch_tokens, plain.rollout.schedule.max_staleness) == ("embedded", 4096, 0)
+    assert config_from_dict(_raw(rollout={"schedule": {"mode": "one_step_off"}}, cluster={"colocate": False})
+                            ).rollout.schedule.max_staleness == 1
+    assert "engine.embedded.max_model_len" in _error(_raw(engine={"max_model_len": 512}))  # vllm's field
+    # The dump reloads as the same config (what checkpoints store and resume compares).
+    again = config_from_dict(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg
+
+
+def test_every_engine_backend_has_one_descriptor():
+    from typing import get_args
+
+    from tether.engine.backends import BACKENDS
+    from tether.engine.config import EngineConfig
+
+    variants = get_args(get_args(EngineConfig)[0])
+    assert {v.model_fields["backend"].default: v for v in variants} == {k: b.config for k, b in BACKENDS.items()}

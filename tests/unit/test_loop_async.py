@@ -109,20 +109,25 @@ def test_a_resumed_run_makes_the_uninterrupted_runs_calls(resume_at):
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"rollout": {"max_staleness": 1}}, ["rollout.max_staleness=1", "cluster.colocate=false"]),
-    ({"rollout": {"max_staleness": 2}, "cluster": {"colocate": False}}, ["rollout.max_staleness=2", "one_step_off"]),
-    ({"rollout": {"max_staleness": 1}, "cluster": {"colocate": False}, "debug": {"load_rollouts": "x"}},
-     ["rollout.max_staleness", "debug.load_rollouts"]),
-    ({"rollout": {"async_mode": "fully_async"}, "cluster": {"colocate": False}},
-     ["rollout.async_mode: fully_async", "rollout.max_staleness >= 1"]),
-    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async", "custom_rollout_fn": "m:f"},
+    ({"rollout": {"schedule": {"mode": "one_step_off"}}}, ["rollout.schedule.mode: one_step_off",
+                                                            "cluster.colocate=false"]),
+    ({"rollout": {"schedule": {"mode": "one_step_off", "max_staleness": 2}}, "cluster": {"colocate": False}},
+     ["rollout.schedule.one_step_off.max_staleness", "unknown field"]),
+    ({"rollout": {"schedule": {"mode": "one_step_off"}}, "cluster": {"colocate": False},
+      "debug": {"load_rollouts": "x"}}, ["rollout.schedule.mode: one_step_off", "debug.load_rollouts"]),
+    ({"rollout": {"schedule": {"mode": "fully_async", "max_staleness": 0}}, "cluster": {"colocate": False}},
+     ["rollout.schedule.fully_async.max_staleness", "greater than or equal to 1"]),
+    ({"rollout": {"schedule": {"mode": "fully_async", "max_staleness": 2}, "custom_rollout_fn": "m:f"},
       "cluster": {"colocate": False}}, ["fully_async", "rollout.custom_rollout_fn=m:f", "whole rollout"]),
-    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async", "keep_order": "finish", "partial_rollout": True},
+    ({"rollout": {"schedule": {"mode": "fully_async", "max_staleness": 2}, "keep_order": "finish",
+                  "partial_rollout": True},
       "cluster": {"colocate": False}}, ["fully_async", "rollout.keep_order=finish", "oldest weights first"]),
-    ({"rollout": {"max_staleness": 2, "async_mode": "fully_async"}, "cluster": {"colocate": False},
+    ({"rollout": {"schedule": {"mode": "fully_async", "max_staleness": 2}}, "cluster": {"colocate": False},
       "deterministic": True}, ["fully_async", "deterministic=True"]),
-    ({"rollout": {"max_staleness": 1, "async_mode": "fully_async", "stale_groups": "keep"},
-      "cluster": {"colocate": False}}, ["rollout.stale_groups", "keep"]),
+    ({"rollout": {"schedule": {"mode": "fully_async", "stale_groups": "keep"}},
+      "cluster": {"colocate": False}}, ["rollout.schedule.fully_async.stale_groups", "keep"]),
+    ({"rollout": {"schedule": {"max_staleness": 2}}, "cluster": {"colocate": False}},
+     ["rollout.schedule needs its mode", "fully_async"]),
 ])
 def test_configs_that_cannot_overlap_are_refused_naming_the_fields(tmp_path, fields, words):
     from tether.config import ConfigError, config_from_dict

@@ -82,18 +82,18 @@ def test_a_server_that_never_answers_times_out_naming_the_url(tmp_path):
     assert not proc.alive()
 
 
-def _raw(**rollout) -> dict:
-    return {"model": {"path": "m"}, "rollout": rollout}
+def _raw(**engine) -> dict:
+    return {"model": {"path": "m"}, "engine": engine}
 
 
 def test_engine_choices_are_checked_at_load():
-    assert config_from_dict(_raw(engine="vllm")).rollout.engine == "vllm"
-    with pytest.raises(ConfigError, match="rollout.engine"):
-        config_from_dict(_raw(engine="tgi"))
+    assert config_from_dict(_raw(backend="vllm")).engine.backend == "vllm"
+    with pytest.raises(ConfigError, match="engine"):
+        config_from_dict(_raw(backend="tgi"))
     with pytest.raises(ConfigError, match="sglang runs on GPUs"):
-        config_from_dict(_raw(engine="sglang"))
-    with pytest.raises(ConfigError, match="vllm.startup_timeout_s"):
-        config_from_dict({**_raw(engine="vllm"), "vllm": {"startup_timeout_s": 0}})
-    with pytest.raises(ConfigError, match="vllm.pythn"):
-        config_from_dict({**_raw(engine="vllm"), "vllm": {"pythn": "x"}})
+        config_from_dict(_raw(backend="sglang"))
+    with pytest.raises(ConfigError, match="engine.vllm.startup_timeout_s"):
+        config_from_dict(_raw(backend="vllm", startup_timeout_s=0))
+    with pytest.raises(ConfigError, match="engine.vllm.pythn"):
+        config_from_dict(_raw(backend="vllm", pythn="x"))
     assert config_from_dict({**_raw(), "cluster": {"router": "sglang_router"}}).cluster.router == "sglang_router"

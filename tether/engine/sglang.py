@@ -1,4 +1,4 @@
-"""The SGLang backend (rollout.engine: sglang): an engine actor that runs ``python -m sglang.launch_server``
+"""The SGLang backend (engine.backend: sglang): an engine actor that runs ``python -m sglang.launch_server``
 on its bundle and loads the trainer's weights into it.
 
 SGLang speaks the engine contract natively (base.HTTP_CONTRACT is its API), so there is no adapter:

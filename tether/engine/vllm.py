@@ -1,4 +1,4 @@
-"""The vLLM backend (rollout.engine: vllm): an engine actor that runs `vllm serve` on its bundle, puts
+"""The vLLM backend (engine.backend: vllm): an engine actor that runs `vllm serve` on its bundle, puts
 the engine contract in front of it (vllm_adapter.py) and loads the trainer's weights into it.
 
 vLLM runs as a child process with its own Python (vllm.python: a virtual environment with vLLM's

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tether.sample import Sample, sample_from_dict
 
-BUFFER_STATE = "rollout_buffer.json"
+BUFFER_STATE = "rollout_buffer.json"  # an older checkpoint's file; now the "buffer" of data_source.json
 
 
 class PartialBuffer:

@@ -1,13 +1,91 @@
 """The rollout: section of a recipe (how many rollouts, how big, how responses are sampled, scored and
-scheduled, which engine backend serves them), beside config.py, which assembles the tree. Imports no torch."""
+scheduled), beside the rollout code it configures (tether/config/__init__.py assembles the tree). Imports no torch."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
 from tether.config.base import Section
+
+
+class SyncSchedule(Section):
+    """Generate a rollout, then train on it (tether/loop.py): every trained token comes from the
+    weights being updated."""
+
+    mode: Literal["sync"] = "sync"
+    """The synchronous loop."""
+
+    @property
+    def max_staleness(self) -> int:
+        return 0
+
+
+class OneStepOffSchedule(Section):
+    """slime's train_async: the next rollout generates, under the weights of one step before, while the
+    trainer trains; the weights are pushed once both are done. The pipeline drains before a checkpoint
+    or an eval, so a resumed run is identical to an uninterrupted one (tether/loop_async.py). Needs
+    cluster.colocate: false."""
+
+    mode: Literal["one_step_off"] = "one_step_off"
+    """Generation one weight version behind training."""
+
+    @property
+    def max_staleness(self) -> int:
+        return 1
+
+
+class FullyAsyncSchedule(Section):
+    """Groups stream through the engines across train steps; each train step takes the next
+    prompts_per_rollout finished groups at most max_staleness versions old (tether/rollout/stream.py).
+    Needs cluster.colocate: false."""
+
+    mode: Literal["fully_async"] = "fully_async"
+    """Streaming groups across train steps."""
+    max_staleness: int = Field(1, ge=1)
+    """Weight versions a trained token may lag the policy being updated."""
+    stale_groups: Literal["retry", "drop"] = "retry"
+    """A finished group older than max_staleness allows is generated again from its prompt (retry) or
+    left untrained (drop; rollouts/rollout_<id>_dropped_stale.jsonl lists them)."""
+    pause_mode: Literal["in_place", "recompute"] = "in_place"
+    """What running requests do during a weight update. in_place: they hold and continue under the new
+    weights with their KV cache (each token's weight version is recorded). recompute: they are aborted
+    and continued after the update, their prompt and partial response prefilled again under the new
+    weights."""
+
+
+Schedule = Annotated[Union[SyncSchedule, OneStepOffSchedule, FullyAsyncSchedule], Field(discriminator="mode")]
+
+MOVED_TO_SCHEDULE = ("max_staleness", "async_mode", "stale_groups", "pause_mode")
+MOVED_TO_ENGINE = {"engine": "backend", "external_engines": "urls", "engine_host": "host",
+                   "max_generate_batch": "max_generate_batch", "max_batch_tokens": "max_batch_tokens",
+                   "prefix_cache_tokens": "prefix_cache_tokens", "onednn_linear": "onednn_linear"}
+
+
+def _moved_fields(raw: dict[str, Any]) -> str | None:
+    """What an older recipe's rollout fields are called now, written out with the recipe's own values."""
+    lines = []
+    old = {k: raw[k] for k in MOVED_TO_SCHEDULE if k in raw}
+    if old:
+        staleness = old.get("max_staleness", 0)
+        mode = old.get("async_mode", "one_step_off") if staleness else "sync"
+        new: dict[str, Any] = {"mode": mode}
+        if mode == "fully_async":
+            new.update({k: v for k, v in old.items() if k != "async_mode"})
+        lines.append(f"rollout.{', rollout.'.join(old)} moved into rollout.schedule, keyed on its mode: write "
+                     f"rollout: {{schedule: {_flow(new)}}}")
+    engine = {new: raw[old] for old, new in MOVED_TO_ENGINE.items() if old in raw}
+    if engine:
+        if "urls" in engine:
+            engine["backend"] = "external"
+        lines.append(f"rollout.{', rollout.'.join(k for k in MOVED_TO_ENGINE if k in raw)} moved to the engine "
+                     f"section, keyed on its backend: write engine: {_flow(engine)}")
+    return "; ".join(lines) or None
+
+
+def _flow(values: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in values.items()) + "}"
 
 
 class RolloutConfig(Section):
@@ -30,7 +108,8 @@ class RolloutConfig(Section):
     stop_token_ids: list[int] = []
     """Extra token ids that end a response (the tokenizer's eos always does)."""
     reward: str = "math"
-    """Reward function: a built-in name (math, exact_match, f1), module:function, path/file.py:function
+    """Reward function: a built-in name (math, exact_match, f1, reasoning_gym,
+    reasoning_gym_format; tether/rewards/builtin.py), module:function, path/file.py:function
     (sync or async, of one sample), or the URL of a reward server (http://host:port/path, one POST per group)."""
     group_reward: str | None = None
     """A function of a whole group's samples returning one reward each (sync or async; module:function
@@ -67,7 +146,7 @@ class RolloutConfig(Section):
     """Groups started together go to an engine in requests of up to this many groups; a request's
     groups finish, are scored and are judged by the filter together. 1: every group is scored as
     soon as it finishes. On a CPU engine each request costs a few ms of HTTP handling that competes
-    with decoding, which shows when responses are short (see the README's comparison with TRL).
+    with decoding, which shows when responses are short (see docs/performance.md, against TRL).
     With a custom generate function, groups go one by one."""
     partial_rollout: bool = False
     """Groups still generating when a rollout has its groups (with over-sampling) are aborted but kept,
@@ -80,26 +159,9 @@ class RolloutConfig(Section):
     partial_rollout (so no aborted group is lost) and deterministic: false."""
     mask_offpolicy_partial: bool = False
     """With partial_rollout: leave the tokens a continued response got from older weights out of the loss."""
-    max_staleness: int = Field(0, ge=0)
-    """Weight versions a trained sample may lag the policy being updated. 0: the synchronous loop
-    (generate, then train). > 0 overlaps generation with training as async_mode says; needs
-    cluster.colocate: false."""
-    async_mode: Literal["one_step_off", "fully_async"] = "one_step_off"
-    """How generation overlaps training when max_staleness > 0. one_step_off (slime's train_async,
-    max_staleness 1): the next rollout generates, under the weights of one step before, while the
-    trainer trains; the weights are pushed once both are done; the pipeline drains before a checkpoint
-    or an eval, so a resumed run is identical to an uninterrupted one (tether/loop_async.py).
-    fully_async: groups stream through the engines across train steps and each train step takes the
-    next prompts_per_rollout finished groups at most max_staleness versions old
-    (tether/rollout/stream.py)."""
-    stale_groups: Literal["retry", "drop"] = "retry"
-    """fully_async: a finished group older than max_staleness allows is generated again from its
-    prompt (retry) or left untrained (drop; rollouts/rollout_<id>_dropped_stale.jsonl lists them)."""
-    pause_mode: Literal["in_place", "recompute"] = "in_place"
-    """fully_async: what running requests do during a weight update. in_place: they hold and continue
-    under the new weights with their KV cache (each token's weight version is recorded). recompute:
-    they are aborted and continued after the update, their prompt and partial response prefilled
-    again under the new weights."""
+    schedule: Schedule = SyncSchedule()
+    """How generation and training take turns: ``mode`` picks the loop (sync, one_step_off, fully_async)
+    and its settings come with it (docs/async.md)."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
     """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
     groups that passed (with a warning), or stop the run with an error."""
@@ -108,28 +170,17 @@ class RolloutConfig(Section):
     overlong_penalty_factor of reward, linearly (tether/rewards/shaping.py). None: off."""
     overlong_penalty_factor: float = Field(1.0, ge=0)
     """The largest overlong penalty (reached at max_response_len)."""
-    max_generate_batch: int = Field(256, ge=1)
-    """Most sequences an engine decodes at once."""
-    max_batch_tokens: int = Field(1 << 16, ge=1)
-    """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
-    requests beyond it wait their turn."""
-    prefix_cache_tokens: int = Field(8192, ge=0)
-    """Tokens of KV an engine keeps from finished requests so later ones that repeat a prefix (the
-    next turn of a conversation, a shared system prompt) skip recomputing it; flushed whenever the
-    weights change. 0 disables it."""
-    onednn_linear: bool = True
-    """On CPU, run the engine's linear layers through oneDNN with weights packed once per weight
-    version (about 2x torch's default fp32 matmul on AMD CPUs; fp32 to rounding). false: torch's matmul."""
-    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
-    """The inference backend (tether/engine/backends.py): the embedded PyTorch engine, vLLM (its
-    settings in the vllm section) or SGLang (the sglang section). All speak one HTTP contract
-    (tether/engine/base.py)."""
-    external_engines: list[str] = []
-    """URLs of engine servers already running (any backend's, speaking the contract): nothing is
-    launched or placed for them and weights reach them over cluster.weight_sync: distributed."""
-    engine_host: str = "127.0.0.1"
-    """Where engine HTTP servers listen: loopback, or 0.0.0.0 on multi-node clusters (the node's
-    address is then given to the router)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        moved = _moved_fields(raw) if isinstance(raw, dict) else None
+        if moved:
+            raise ValueError(moved)
+        schedule = raw.get("schedule") if isinstance(raw, dict) else None
+        if isinstance(schedule, dict) and "mode" not in schedule:
+            raise ValueError("rollout.schedule needs its mode: sync, one_step_off or fully_async")
+        return raw
 
     @model_validator(mode="after")
     def _over_sampling(self) -> RolloutConfig:

@@ -19,7 +19,7 @@ import ray
 
 from tether.cluster import Placement, actor_resources, dead_actors, key_env, log_tail, torch_threads, wait
 from tether.config import TetherConfig
-from tether.engine.backends import engine_spec, startup_timeout_s
+from tether.engine.backends import engine_spec, placed_engines, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
 from tether.run.faults import ENGINE_FAULT, crash_point
 from tether.scheduling import wait_started
@@ -33,10 +33,10 @@ WeightLoader = Callable[[int, Any, str], None]
 
 
 def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
-    """The engine actors of rollout.engine's backend, created and not waited for: they load their
-    models while the trainer and the rollout manager start (RolloutHandle waits for them). None for
-    rollout.external_engines: those servers run already."""
-    if cfg.rollout.external_engines:
+    """The engine actors of engine.backend, created and not waited for: they load their models while
+    the trainer and the rollout manager start (RolloutHandle waits for them). None for engine.backend:
+    external: those servers run already."""
+    if not placed_engines(cfg):
         return []
     return [create_engine(cfg, placement, k) for k in range(len(placement.engine_bundles))]
 
@@ -82,12 +82,12 @@ class RolloutHandle:
             raise
         self.ready_s = {"rollout manager": time.perf_counter() - start}
         health = wait([e.health.remote() for e in engines], startup_timeout_s(cfg),
-                      f"{len(engines)} {cfg.rollout.engine} engine(s) to load {cfg.model.path}")
+                      f"{len(engines)} {cfg.engine.backend} engine(s) to load {cfg.model.path}")
         self.ready_s["engines"] = time.perf_counter() - start
         self.engine_pids = [h["pid"] for h in health]
         self.urls = [h["url"] for h in health]
         self.replaces = placement is not None and cfg.cluster.max_engine_restarts > 0
-        self._get(self.actor.connect_engines.remote(self.urls + list(cfg.rollout.external_engines), self.replaces),
+        self._get(self.actor.connect_engines.remote(self.urls + cfg.external_engines, self.replaces),
                   "connect_engines")
 
     def _get(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:

@@ -36,13 +36,16 @@ from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
 from tether.rollout.engine_watch import EngineWatch
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.health import RolloutHealth, answer_counts
-from tether.rollout.stream import STREAM_STATE, RolloutStream, StreamSettings, staleness_metrics
+from tether.rollout.modes import StreamMode, make_mode
+from tether.rollout.stream import STREAM_STATE, StreamSettings
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.sample import Sample
 from tether.models.hf import load_tokenizer
 
 DATA_STATE = "data_source.json"
+"""The manager's checkpoint state, one dict: the data position ("data"), the partial-rollout buffer
+("buffer") and the rollout stream ("stream"), each present when the run has it."""
 
 
 def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
@@ -194,7 +197,7 @@ class RolloutManager:
         self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
                        if r.custom_generate_fn or row_fns else None)
         self.fleet: EngineFleet | None = None
-        self.stream: RolloutStream | None = None
+        self.mode = make_mode(r.schedule, self._stream_settings)
         self.driver: GroupDriver | None = None
         self.rollout_fn = load_rollout_fn(r.custom_rollout_fn) if r.custom_rollout_fn else None
         self.schedule = Schedule(need=r.prompts_per_rollout, over_sampling_groups=r.groups_to_start,
@@ -218,16 +221,16 @@ class RolloutManager:
         self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue)
         self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s)
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
+        self.mode.connect(fleet=self.fleet, data=self.data, params=self.params, keep=self.keep, custom=self.custom,
+                          score=partial(score_shaped, self.scorer, self.cfg))
+
+    def _stream_settings(self, schedule) -> StreamSettings:
         r = self.cfg.rollout
-        if r.max_staleness and r.async_mode == "fully_async" and self.data is not None:
-            settings = StreamSettings(need=r.prompts_per_rollout, max_staleness=r.max_staleness,
-                                      start_per_take=r.groups_to_start,
-                                      max_in_flight=r.max_concurrent_groups, stale_groups=r.stale_groups,
-                                      groups_per_request=r.groups_per_request,
-                                      pause_mode=r.pause_mode, seed=self.cfg.seed,
-                                      timeout_s=self.cfg.cluster.call_timeout_s)
-            self.stream = RolloutStream(self.fleet, self.data, self.params, settings,
-                                        partial(score_shaped, self.scorer, self.cfg), self.keep, self.custom)
+        return StreamSettings(need=r.prompts_per_rollout, max_staleness=schedule.max_staleness,
+                              start_per_take=r.groups_to_start, max_in_flight=r.max_concurrent_groups,
+                              stale_groups=schedule.stale_groups, groups_per_request=r.groups_per_request,
+                              pause_mode=schedule.pause_mode, seed=self.cfg.seed,
+                              timeout_s=self.cfg.cluster.call_timeout_s)
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
@@ -295,38 +298,31 @@ class RolloutManager:
 
     # ------------------------------------------------------------ fully asynchronous rollout
     def stream_start(self, version: int, next_take: int) -> None:
-        self._require_stream().start(version, next_take)
+        self._stream_mode().require().start(version, next_take)
         self.watch.set_active(True)
 
     def stream_take(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """The next rollout from the stream (called with num_returns=2, like generate)."""
         start = time.perf_counter()
-        flights, metrics = self._require_stream().take(rollout_id)
-        groups = [f.samples for f in flights]
-        for k, group in enumerate(groups):  # a group's index is its place in the trained batch
-            for s in group:
-                s.group_index, s.rollout_id = k, rollout_id
-        metrics.update(staleness_metrics(groups, rollout_id))
-        dropped = self.stream.dropped
+        flights, metrics, dropped = self._stream_mode().take(rollout_id)
         if dropped:  # which prompts went untrained, for the record
             self._dump_rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
                             f"rollout_{rollout_id:06d}_dropped_stale.jsonl")
-            dropped.clear()
-        return self._finish(rollout_id, groups, metrics, [], max(f.epoch for f in flights), start,
-                            [{"epoch": f.epoch, "draw": f.seq} for f in flights])
+        return self._finish(rollout_id, [f.samples for f in flights], metrics, [], max(f.epoch for f in flights),
+                            start, [{"epoch": f.epoch, "draw": f.seq} for f in flights])
 
     def stream_pause(self) -> None:
         self.watch.set_active(False)  # a paused engine does not generate: its heartbeat would fail
-        self._require_stream().pause()
+        self._stream_mode().require().pause()
 
     def stream_resume(self, version: int) -> None:
-        self._require_stream().resume(version)
+        self._stream_mode().require().resume(version)
         self.watch.set_active(True)
 
-    def _require_stream(self) -> RolloutStream:
-        if self.stream is None:
-            raise RuntimeError("the rollout stream runs with rollout.async_mode: fully_async, after connect_engines")
-        return self.stream
+    def _stream_mode(self) -> StreamMode:
+        if not isinstance(self.mode, StreamMode):
+            raise RuntimeError("the rollout stream runs with rollout.schedule.mode: fully_async")
+        return self.mode
 
     def _context(self, rollout_id: int, evaluation: bool, params: SamplingParams, seed: int, score,
                  what: str) -> RolloutContext:
@@ -430,27 +426,39 @@ class RolloutManager:
         (self.samples_dir / name).write_text(json.dumps(rows, indent=1) + "\n")
 
     # ------------------------------------------------------------ state and memory
-    def save_state(self, ckpt_dir: str) -> None:
-        (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self._require_data().state_dict()))
-        if self.stream is not None:  # its position, and the groups drawn and not yet trained on
-            (Path(ckpt_dir) / STREAM_STATE).write_text(json.dumps(self.stream.state_dict()))
+    def state_dict(self) -> dict:
+        """Where the rollout stands: the data position, the groups handed back to the buffer, the stream."""
+        state = {"data": self._require_data().state_dict()}
         if self.cfg.rollout.partial_rollout or self.rollout_fn is not None:  # groups handed back wait there
-            (Path(ckpt_dir) / BUFFER_STATE).write_text(json.dumps(self.buffer.state_dict()))
+            state["buffer"] = self.buffer.state_dict()
+        stream = self.mode.state_dict()
+        if stream is not None:  # its position, and the groups drawn and not yet trained on
+            state["stream"] = stream
+        return state
+
+    def load_state_dict(self, state: dict) -> dict:
+        self._require_data().load_state_dict(state["data"])
+        self.mode.load_state_dict(state.get("stream"), state["data"])
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"])
+        return state["data"]
+
+    def save_state(self, ckpt_dir: str) -> None:
+        (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self.state_dict()))
 
     def load_state(self, ckpt_dir: str) -> dict:
+        """The data position of the checkpoint (older checkpoints kept the buffer and the stream in files
+        of their own beside the data position: read as one state)."""
         state = json.loads((Path(ckpt_dir) / DATA_STATE).read_text())
-        self._require_data().load_state_dict(state)
-        stream = Path(ckpt_dir) / STREAM_STATE
-        if stream.is_file() and self.stream is None:
-            raise ConfigError(f"{ckpt_dir} was saved by a fully asynchronous run (its {STREAM_STATE} holds the "
-                              "groups drawn and not yet trained on): resume it with rollout.async_mode: fully_async")
-        if self.stream is not None:  # from a synchronous checkpoint: the stream starts at its data position
-            self.stream.load_state_dict(json.loads(stream.read_text()) if stream.is_file() else {
-                "position": [state["epoch"], state["offset"]], "next_seq": 0, "totals": {}, "ready": [], "pending": []})
-        buffer = Path(ckpt_dir) / BUFFER_STATE
-        if buffer.is_file():
-            self.buffer.load_state_dict(json.loads(buffer.read_text()))
-        return state
+        if "data" not in state:
+            state = {"data": state}
+            for key, name in (("stream", STREAM_STATE), ("buffer", BUFFER_STATE)):
+                if (Path(ckpt_dir) / name).is_file():
+                    state[key] = json.loads((Path(ckpt_dir) / name).read_text())
+        try:
+            return self.load_state_dict(state)
+        except ConfigError as err:
+            raise ConfigError(f"{ckpt_dir}: {err}") from None
 
     def release_memory(self, tags: list[str]) -> None:
         self.fleet.release_memory(tags)

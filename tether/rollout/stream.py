@@ -56,7 +56,7 @@ from tether.sample import Sample, sample_from_dict
 from tether.errors import TIMEOUTS
 
 Group = list[Sample]
-STREAM_STATE = "rollout_stream.json"
+STREAM_STATE = "rollout_stream.json"  # an older checkpoint's file; now the "stream" of data_source.json
 MAX_RETRIES = 3
 """A group regenerated this many times and still too old is dropped: its responses take longer than
 max_staleness train steps to generate, so retrying it again would only loop."""

@@ -8,7 +8,8 @@ Layout of ``<checkpoint_dir>``::
         train/                  torch.distributed.checkpoint (DCP): model and optimizer shards, LR
                                 scheduler, RNG states (python, numpy, torch; as tensors) of every trainer
                                 rank. Loaded without running code from the files (safe_load.py)
-        data_source.json        prompt-data position (epoch, offset, seed)
+        data_source.json        where the rollout stands: the prompt-data position (epoch, offset, seed),
+                                the partial-rollout buffer, the fully async stream (rollout/manager.py)
         hf_config/              the model's config and tokenizer (no weights): `tether export` needs nothing else
 
 A checkpoint is written to ``rollout_000012.tmp`` and renamed only when every part is there, so a

@@ -23,11 +23,12 @@ HARMLESS = (
     "checkpoint.",
     "rollout.num_rollout",  # extend (or shorten) a run
     "rollout.num_epoch",
-    "rollout.max_generate_batch",
-    "rollout.max_batch_tokens",
-    "rollout.engine_host",
-    "rollout.onednn_linear",  # engine kernels and caches: same math
-    "rollout.prefix_cache_tokens",
+    "engine.max_generate_batch",
+    "engine.max_batch_tokens",
+    "engine.host",
+    "engine.onednn_linear",  # engine kernels and caches: same math
+    "engine.prefix_cache_tokens",
+    "engine.urls",  # external servers may move; they serve the checkpoint's weights once connected
     "train.micro_batch_size",  # the normaliser is global: same gradient, other memory use
     "train.max_tokens_per_micro_batch",
 )
