@@ -44,7 +44,7 @@ P, R, N = 50, 35, 64
 if rollout_file:
     import json
 
-    from tether.rollout.manager import to_train_batch
+    from tether.rollout.results import to_train_batch
     from tether.sample import sample_from_dict
 
     saved = [sample_from_dict(json.loads(line)) for line in Path(rollout_file).read_text().splitlines() if line]

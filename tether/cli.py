@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         _local_ray_auth(cfg)  # before the checks below import Ray (through the rollout manager)
         if args.command in ("train", "eval", "rollout"):
             from tether.rollout.data_checks import check_prompt_data
-            from tether.rollout.manager import check_user_functions
+            from tether.rollout.user_functions import check_user_functions
 
             check_user_functions(cfg)
             skipped = check_prompt_data(cfg)

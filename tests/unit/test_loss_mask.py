@@ -10,7 +10,7 @@ from tether.algorithms.advantages import AdvantageParams
 from tether.algorithms.aggregation import AGGREGATIONS
 from tether.algorithms.losses import LossParams
 from tether.trainer.batch import TrainBatch, collate, collate_packed
-from tether.rollout.manager import to_train_batch
+from tether.rollout.results import to_train_batch
 from tether.sample import Sample
 from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.trainer.critic import Critic, load_value_model

@@ -145,7 +145,7 @@ def test_peek_and_advance_draw_any_number_of_groups():
 
 def test_bad_functions_fail_before_anything_starts(tmp_path):
     from tether.config import ConfigError, config_from_dict
-    from tether.rollout.manager import check_user_functions
+    from tether.rollout.user_functions import check_user_functions
 
     user = tmp_path / "fns.py"
     user.write_text("def ok(sample):\n    return 1.0\n")

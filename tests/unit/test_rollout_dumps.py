@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from tether.rollout.manager import RolloutManager
+from tether.rollout.dumps import Dumps
 
 
 def manager(tmp_path, keep):
-    return SimpleNamespace(cfg=SimpleNamespace(debug=SimpleNamespace(keep_rollout_dumps=keep)), prune_dumps=True,
-                           samples_dir=tmp_path)
+    return Dumps(tmp_path, keep)
 
 
 def test_only_the_newest_rollouts_and_evals_stay(tmp_path):
@@ -19,8 +16,8 @@ def test_only_the_newest_rollouts_and_evals_stay(tmp_path):
                      f"eval_math_{k:06d}_prompts.jsonl", f"eval_other_{k:06d}.jsonl"):
             (tmp_path / name).write_text("{}\n")
         (tmp_path / f"rollout_{k:06d}_dropped_stale.jsonl").write_text("{}\n")
-        RolloutManager._prune_dumps(fake, "rollout_")
-        RolloutManager._prune_dumps(fake, "eval_math_")
+        fake.prune_old("rollout_")
+        fake.prune_old("eval_math_")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if n.startswith("rollout_")] == [
         "rollout_000003.jsonl", "rollout_000003_dropped_stale.jsonl", "rollout_000004.jsonl",
@@ -32,8 +29,8 @@ def test_only_the_newest_rollouts_and_evals_stay(tmp_path):
 def test_none_or_tether_rollout_keeps_everything(tmp_path):
     for keep, prune in ((None, True), (1, False)):
         fake = manager(tmp_path, keep)
-        fake.prune_dumps = prune
+        fake.prune = prune
         for k in range(3):
             (tmp_path / f"rollout_{k:06d}.jsonl").write_text("{}\n")
-            RolloutManager._prune_dumps(fake, "rollout_")
+            fake.prune_old("rollout_")
         assert len(list(tmp_path.glob("rollout_*"))) == 3

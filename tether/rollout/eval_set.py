@@ -11,6 +11,8 @@ from tether.config import EvalDatasetConfig
 from tether.engine.sampling import SamplingParams
 from tether.rewards.scorer import Scorer
 from tether.rollout.data_source import PromptRow
+from tether.rollout.health import answer_counts
+from tether.rollout.results import sample_metrics
 from tether.sample import Sample
 
 
@@ -79,3 +81,20 @@ class EvalSet:
                         metadata=dict(r.metadata), prompt_ids=list(r.prompt_ids), group_index=k)
                  for j in range(self.cfg.n_samples_per_prompt)]
                 for k, r in enumerate(self.rows)]
+
+    def summarize(self, groups: list[list[Sample]], extra: dict[str, float]) -> tuple[dict, list[Sample], list[dict], Counter]:
+        """An eval's metrics under eval/<name>/ (``extra``: the rollout function's own), its samples, the
+        per-prompt pass rates and the answer counts."""
+        name = self.cfg.name
+        samples = [s for group in groups for s in group]
+        n = len(groups[0])
+        metrics: dict = {key if key.startswith(f"eval/{name}/") else f"eval/{name}/{key}": value
+                         for key, value in extra.items()}
+        metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
+        metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+        metrics.update(sample_metrics(samples, f"eval/{name}"))
+        prompts = prompt_pass_rates(samples, n, self.cfg.pass_threshold)
+        metrics.update(pass_metrics(prompts, n, name))
+        answers = answer_counts(samples)
+        metrics[f"eval/{name}/constant_answer_score"] = self.constant_answer_score(samples, answers)
+        return metrics, samples, prompts, answers

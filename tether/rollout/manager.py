@@ -9,156 +9,44 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import statistics
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 
 import ray
 
-from tether.trainer.batch import TrainBatch
 from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.engine.sampling import SamplingParams
-from tether.rewards.loader import RewardLoadError, set_reward
-from tether.rewards.scorer import Scorer
-from tether.rewards.shaping import apply_overlong_penalty, overlong_penalty
+from tether.models.hf import load_tokenizer
+from tether.rewards.shaping import overlong_penalty
 from tether.rollout.buffer import BUFFER_STATE, PartialBuffer
 from tether.rollout.builtin import builtin_rollout
 from tether.rollout.data_checks import load_eval_rows, load_train_rows, model_positions
-from tether.rollout.data_source import DatasetError, DataSource, read_rows
+from tether.rollout.data_source import DataSource
 from tether.rollout.driver import GroupDriver, Schedule
-from tether.rollout.eval_set import EvalSet, pass_metrics, prompt_pass_rates
-from tether.rollout.filters import FilterError, load_filter
-from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec, takes_evaluation
-from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
+from tether.rollout.dumps import Dumps
 from tether.rollout.engine_watch import EngineWatch
+from tether.rollout.eval_set import EvalSet
+from tether.rollout.filters import load_filter
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
-from tether.rollout.health import RolloutHealth, answer_counts
+from tether.rollout.generate_fn import CustomGenerate, takes_evaluation
+from tether.rollout.health import RolloutHealth
 from tether.rollout.modes import StreamMode, make_mode
-from tether.rollout.stream import STREAM_STATE, StreamSettings
+from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
+from tether.rollout.results import group_size, rollout_metrics, to_train_batch
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
-                                       RolloutFnLoadError, RolloutOutput, call_rollout_fn, load_rollout_fn)
+                                       RolloutOutput, call_rollout_fn, load_rollout_fn)
+from tether.rollout.stream import STREAM_STATE, StreamSettings
+from tether.rollout.user_functions import check_user_functions, make_scorer, score_shaped
 from tether.sample import Sample
-from tether.models.hf import load_tokenizer
+from tether.trainer.batch import TrainBatch
+
+__all__ = ["RolloutManager", "check_user_functions", "DATA_STATE"]
 
 DATA_STATE = "data_source.json"
 """The manager's checkpoint state, one dict: the data position ("data"), the partial-rollout buffer
 ("buffer") and the rollout stream ("stream"), each present when the run has it."""
-
-
-def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
-    """The rollout's scorer (or an eval set's, with its own reward) from the config."""
-    r = cfg.rollout
-    return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
-                  post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
-                  retries=r.reward_retries, field=field if reward else "rollout.reward")
-
-
-async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
-    """The group's rewards as trained on (after overlong shaping): what the dynamic filter sees. A
-    group whose generate function set every sample's reward keeps those (checked like any reward).
-    (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
-    r = cfg.rollout
-    if all(s.reward is not None for s in group):
-        for s in group:
-            set_reward(s, s.reward_info if s.reward_info is not None else s.reward,
-                       r.custom_generate_fn or "generate function", r.reward_key)
-    else:
-        await scorer.score_group(group)
-    if r.overlong_buffer_len is not None:
-        apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
-
-
-def check_user_functions(cfg: TetherConfig) -> None:
-    """Load every user function the rollout will call (rewards, group reward, post-process, filter,
-    generate functions, data rows' own included) once in the launching process, so that a bad spec
-    fails before Ray starts, naming its config field (or its data file and line)."""
-    problems = []
-    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
-              lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg)),
-              lambda: cfg.rollout.custom_rollout_fn and load_rollout_fn(cfg.rollout.custom_rollout_fn)]
-    checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
-               for i, e in enumerate(cfg.eval.datasets) if e.reward]
-    for load in checks:
-        try:
-            load()
-        except (RewardLoadError, FilterError, GenerateLoadError, RolloutFnLoadError, DatasetError) as err:
-            problems.append(f"  {err}")
-    if ":" in cfg.algorithm.policy_loss:
-        from tether.algorithms.losses import get_policy_loss
-
-        try:
-            get_policy_loss(cfg.algorithm.policy_loss)
-        except ValueError as err:
-            problems.append(f"  algorithm.policy_loss: {err}")
-    if problems:
-        raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
-
-
-def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:
-    """(spec, where) of every prompt and eval row that names its own generate function."""
-    found = []
-    for path in [cfg.data.path] + [e.path for e in cfg.eval.datasets]:
-        if path and Path(path).is_file():
-            found += [(spec, where) for _, where, obj in read_rows(Path(path))
-                      if (spec := row_spec(obj.get(cfg.data.metadata_key), path))]
-    return found
-
-
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = [float(s.reward) for s in samples]
-    lengths = [s.response_length for s in samples]
-    metrics = {
-        "rollout/reward_mean": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
-        "rollout/response_len_mean": statistics.fmean(lengths),
-        "rollout/response_len_max": float(max(lengths)),
-        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        "rollout/samples": float(len(samples)),
-    }
-    parts = sorted({k for s in samples if s.reward_info for k in s.reward_info})
-    for key in parts:  # every entry of dict rewards, not only the one trained on
-        metrics[f"rollout/reward/{key}_mean"] = statistics.fmean(
-            s.reward_info[key] for s in samples if s.reward_info and key in s.reward_info)
-    metrics.update(sample_metrics(samples, "rollout/sample"))
-    return metrics
-
-
-def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
-    """The mean of each number generate functions recorded in `Sample.metrics`, over the samples that
-    have it (a tool-call count, turns per sample)."""
-    names = sorted({k for s in samples for k in s.metrics})
-    return {f"{prefix}/{k}_mean": statistics.fmean(float(s.metrics[k]) for s in samples if k in s.metrics)
-            for k in names}
-
-
-def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
-    return TrainBatch(
-        tokens=[s.prompt_ids + s.response_ids for s in samples],
-        prompt_lengths=[len(s.prompt_ids) for s in samples],
-        response_lengths=[s.response_length for s in samples],
-        group_size=group_size,
-        rewards=[float(s.reward) for s in samples],
-        rollout_logprobs=[list(s.response_logprobs) for s in samples],
-        temperature=temperature,
-        sample_ids=[(s.prompt_index, s.sample_index) for s in samples],
-        # Only when some token is masked: a batch without inserted tokens travels as before. A removed
-        # sample keeps its place (groups keep their shape) with nothing of it trained on.
-        loss_masks=[[0] * s.response_length if s.remove else s.response_loss_mask() for s in samples]
-        if any(s.loss_mask is not None or s.remove for s in samples) else None,
-    )
-
-
-def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
-    """Samples per group in the trained batch: n_samples_per_prompt, or more when a generate function
-    returns several samples for one; every group must have the same number."""
-    sizes = sorted({len(g) for g in groups})
-    if len(sizes) > 1:
-        raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
-                         "group advantages (a generate function returned a varying number of samples)")
-    return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
 
 
 MANAGER_SECONDS = "timing/rollout_manager_s"
@@ -205,8 +93,8 @@ class RolloutManager:
                                  keep_first_finished=r.keep_order == "finish", groups_per_request=r.groups_per_request)
         self.eval_sets = [EvalSet(e, rows, make_scorer(self.cfg, e.reward, f"eval.datasets[{i}].reward"))
                           for i, (e, rows) in enumerate(eval_rows)]
-        self.samples_dir = Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts")
-        self.prune_dumps = True  # `tether rollout` turns it off: it exists to keep them
+        self.dumps = Dumps(Path(self.cfg.debug.save_rollouts or Path(self.cfg.output_dir) / "rollouts"),
+                           self.cfg.debug.keep_rollout_dumps)
         self.health = RolloutHealth(r.n_samples_per_prompt)
         self.buffer = PartialBuffer()
         if engine_urls is not None:
@@ -283,9 +171,9 @@ class RolloutManager:
         metrics.update(health)
         metrics["rollout/epoch"] = float(epoch)
         extra = dump_extra or [{}] * len(groups)
-        self._dump_rows([{**s.to_dict(), **more} for group, more in zip(groups, extra) for s in group],
+        self.dumps.rows([{**s.to_dict(), **more} for group, more in zip(groups, extra) for s in group],
                         f"rollout_{rollout_id:06d}.jsonl")
-        self._prune_dumps("rollout_")
+        self.dumps.prune_old("rollout_")
         batch = to_train_batch(samples, self._group_size(groups), r.temperature)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
@@ -306,7 +194,7 @@ class RolloutManager:
         start = time.perf_counter()
         flights, metrics, dropped = self._stream_mode().take(rollout_id)
         if dropped:  # which prompts went untrained, for the record
-            self._dump_rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
+            self.dumps.rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
                             f"rollout_{rollout_id:06d}_dropped_stale.jsonl")
         return self._finish(rollout_id, [f.samples for f in flights], metrics, [], max(f.epoch for f in flights),
                             start, [{"epoch": f.epoch, "draw": f.seq} for f in flights])
@@ -364,25 +252,17 @@ class RolloutManager:
             ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
                                 eval_set.scorer.score_group, f"eval {name} at rollout {rollout_id}")
             out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
-            samples = [s for group in out.groups for s in group]
-            n = len(out.groups[0])
-            metrics.update({key if key.startswith(f"eval/{name}/") else f"eval/{name}/{key}": value
-                            for key, value in out.metrics.items()})
-            score = metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
-            metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
-            metrics.update(sample_metrics(samples, f"eval/{name}"))
-            prompts = prompt_pass_rates(samples, n, eval_set.cfg.pass_threshold)
-            metrics.update(pass_metrics(prompts, n, name))
-            answers = answer_counts(samples)
-            constant = metrics[f"eval/{name}/constant_answer_score"] = eval_set.constant_answer_score(samples, answers)
-            health, warnings = self.health.after_eval(name, samples, score, constant, eval_set.cfg.reward
-                                                     or self.cfg.rollout.reward, rollout_id)
+            scores, samples, prompts, answers = eval_set.summarize(out.groups, out.metrics)
+            metrics.update(scores)
+            health, warnings = self.health.after_eval(
+                name, samples, scores[f"eval/{name}/score"], scores[f"eval/{name}/constant_answer_score"],
+                eval_set.cfg.reward or self.cfg.rollout.reward, rollout_id)
             metrics.update(health)
             metrics["warnings"] += warnings
-            self._dump(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
-            self._dump_answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
-            self._dump_rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
-            self._prune_dumps(f"eval_{name}_")
+            self.dumps.samples(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
+            self.dumps.answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
+            self.dumps.rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
+            self.dumps.prune_old(f"eval_{name}_")
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
@@ -390,40 +270,8 @@ class RolloutManager:
         # Independent of call order: a resumed run samples rollout k exactly as an uninterrupted one.
         return (self.cfg.seed * 1_000_003 + rollout_id) * 17 + stream
 
-    def _dump(self, samples: list[Sample], name: str) -> None:
-        self._dump_rows([s.to_dict() for s in samples], name)
-
-    def _dump_rows(self, rows: list[dict], name: str) -> None:
-        self.samples_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.samples_dir / name, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-
     def keep_all_dumps(self) -> None:
-        self.prune_dumps = False
-
-    def _prune_dumps(self, prefix: str) -> None:
-        """Keep the files of the newest debug.keep_rollout_dumps rollouts (or evals) named ``prefix<id>``."""
-        keep = self.cfg.debug.keep_rollout_dumps
-        if keep is None or not self.prune_dumps:
-            return
-        pattern = re.compile(re.escape(prefix) + r"(\d{6})(_[a-z_]+)?\.jsonl?$")
-        by_id: dict[int, list[Path]] = {}
-        for path in self.samples_dir.glob(prefix + "*"):
-            match = pattern.match(path.name)
-            if match:
-                by_id.setdefault(int(match.group(1)), []).append(path)
-        for old in sorted(by_id)[:-keep]:
-            for path in by_id[old]:
-                path.unlink(missing_ok=True)
-
-    def _dump_answers(self, samples: list[Sample], answers: Counter, name: str) -> None:
-        """Per-answer counts and mean rewards of one eval, most common first."""
-        rewards: dict[str, list[float]] = {}
-        for s in samples:
-            rewards.setdefault(s.response_text.strip(), []).append(float(s.reward))
-        rows = [{"answer": a, "count": c, "mean_reward": statistics.fmean(rewards[a])} for a, c in answers.most_common()]
-        (self.samples_dir / name).write_text(json.dumps(rows, indent=1) + "\n")
+        self.dumps.prune = False
 
     # ------------------------------------------------------------ state and memory
     def state_dict(self) -> dict:

@@ -15,7 +15,8 @@ from typing import Any
 import ray
 
 from tether.config import ConfigError, TetherConfig
-from tether.rollout.manager import DATA_STATE, rollout_metrics, to_train_batch
+from tether.rollout.manager import DATA_STATE
+from tether.rollout.results import rollout_metrics, to_train_batch
 from tether.sample import sample_from_dict
 
 
@@ -26,6 +27,7 @@ def rollout_file(directory: Path, rollout_id: int) -> Path:
 class ReplayRollout:
     def __init__(self, cfg: TetherConfig):
         self.cfg = cfg
+        assert cfg.debug.load_rollouts is not None  # train.py replays only when it is set
         self.dir = Path(cfg.debug.load_rollouts)
         self.count = 0
         while rollout_file(self.dir, self.count).is_file():

@@ -1,0 +1,63 @@
+"""A rollout's groups as the trainer takes them (the TrainBatch) and as the logs show them (metrics)."""
+
+from __future__ import annotations
+
+import statistics
+
+from tether.config import TetherConfig
+from tether.sample import Sample
+from tether.trainer.batch import TrainBatch
+
+
+def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+    rewards = [float(s.reward) for s in samples]
+    lengths = [s.response_length for s in samples]
+    metrics = {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/samples": float(len(samples)),
+    }
+    parts = sorted({k for s in samples if s.reward_info for k in s.reward_info})
+    for key in parts:  # every entry of dict rewards, not only the one trained on
+        metrics[f"rollout/reward/{key}_mean"] = statistics.fmean(
+            s.reward_info[key] for s in samples if s.reward_info and key in s.reward_info)
+    metrics.update(sample_metrics(samples, "rollout/sample"))
+    return metrics
+
+
+def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """The mean of each number generate functions recorded in `Sample.metrics`, over the samples that
+    have it (a tool-call count, turns per sample)."""
+    names = sorted({k for s in samples for k in s.metrics})
+    return {f"{prefix}/{k}_mean": statistics.fmean(float(s.metrics[k]) for s in samples if k in s.metrics)
+            for k in names}
+
+
+def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
+    return TrainBatch(
+        tokens=[s.prompt_ids + s.response_ids for s in samples],
+        prompt_lengths=[len(s.prompt_ids) for s in samples],
+        response_lengths=[s.response_length for s in samples],
+        group_size=group_size,
+        rewards=[float(s.reward) for s in samples],
+        rollout_logprobs=[list(s.response_logprobs) for s in samples],
+        temperature=temperature,
+        sample_ids=[(s.prompt_index, s.sample_index) for s in samples],
+        # Only when some token is masked: a batch without inserted tokens travels as before. A removed
+        # sample keeps its place (groups keep their shape) with nothing of it trained on.
+        loss_masks=[[0] * s.response_length if s.remove else s.response_loss_mask() for s in samples]
+        if any(s.loss_mask is not None or s.remove for s in samples) else None,
+    )
+
+
+def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
+    """Samples per group in the trained batch: n_samples_per_prompt, or more when a generate function
+    returns several samples for one; every group must have the same number."""
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
+                         "group advantages (a generate function returned a varying number of samples)")
+    return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt

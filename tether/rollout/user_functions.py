@@ -1,0 +1,76 @@
+"""The functions a run's config names (rewards, group reward, post-process, filter, generate and rollout
+functions, data rows' own): the rollout's scorer, and a check that loads each of them once before
+anything starts, so that a bad spec fails naming its config field (or its data file and line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tether.config import ConfigError, TetherConfig
+from tether.rewards.loader import RewardLoadError, set_reward
+from tether.rewards.scorer import Scorer
+from tether.rewards.shaping import apply_overlong_penalty
+from tether.rollout.data_source import DatasetError, read_rows
+from tether.rollout.filters import FilterError, load_filter
+from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
+from tether.rollout.rollout_fn import RolloutFnLoadError, load_rollout_fn
+from tether.sample import Sample
+
+
+def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
+    """The rollout's scorer (or an eval set's, with its own reward) from the config."""
+    r = cfg.rollout
+    return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
+                  post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
+                  retries=r.reward_retries, field=field if reward else "rollout.reward")
+
+
+async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
+    """The group's rewards as trained on (after overlong shaping): what the dynamic filter sees. A
+    group whose generate function set every sample's reward keeps those (checked like any reward).
+    (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
+    r = cfg.rollout
+    if all(s.reward is not None for s in group):
+        for s in group:
+            set_reward(s, s.reward_info if s.reward_info is not None else s.reward,
+                       r.custom_generate_fn or "generate function", r.reward_key)
+    else:
+        await scorer.score_group(group)
+    if r.overlong_buffer_len is not None:
+        apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+
+
+def check_user_functions(cfg: TetherConfig) -> None:
+    """Load every user function the rollout will call (rewards, group reward, post-process, filter,
+    generate functions, data rows' own included) once in the launching process, so that a bad spec
+    fails before Ray starts, naming its config field (or its data file and line)."""
+    problems = []
+    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
+              lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg)),
+              lambda: cfg.rollout.custom_rollout_fn and load_rollout_fn(cfg.rollout.custom_rollout_fn)]
+    checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
+               for i, e in enumerate(cfg.eval.datasets) if e.reward]
+    for load in checks:
+        try:
+            load()
+        except (RewardLoadError, FilterError, GenerateLoadError, RolloutFnLoadError, DatasetError) as err:
+            problems.append(f"  {err}")
+    if ":" in cfg.algorithm.policy_loss:
+        from tether.algorithms.losses import get_policy_loss
+
+        try:
+            get_policy_loss(cfg.algorithm.policy_loss)
+        except ValueError as err:
+            problems.append(f"  algorithm.policy_loss: {err}")
+    if problems:
+        raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
+
+
+def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:
+    """(spec, where) of every prompt and eval row that names its own generate function."""
+    found = []
+    for path in [cfg.data.path] + [e.path for e in cfg.eval.datasets]:
+        if path and Path(path).is_file():
+            found += [(spec, where) for _, where, obj in read_rows(Path(path))
+                      if (spec := row_spec(obj.get(cfg.data.metadata_key), path))]
+    return found
