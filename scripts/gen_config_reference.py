@@ -37,7 +37,7 @@ OUT = ROOT / "docs" / "reference" / "config.md"
 
 HEADER = """# Config reference
 
-Every field of a tether config, generated from the config classes (`tether/config/__init__.py` and the
+Every field of a tether config, generated from the config classes (`tether/config/tree.py` and the
 sections it assembles: `tether/rollout/config.py`, `tether/rollout/reasoning_gym_config.py`,
 `tether/engine/config.py`) by `python scripts/gen_config_reference.py`; do not edit it by hand
 (`tests/unit/test_docs.py` fails when it is out of date). How configs, overrides and `--dry-run` work:

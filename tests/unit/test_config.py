@@ -433,6 +433,20 @@ def test_the_config_loads_and_validates_without_torch():
     assert out.returncode == 0, out.stderr
 
 
+def test_a_component_section_imports_first_in_a_fresh_process():
+    # A Ray actor's process imports its own module first (the vLLM actor: tether.engine.vllm), whose
+    # section imports tether.config.base while the tree imports the sections: neither order may cycle.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for module in ("tether.engine.config", "tether.rollout.config", "tether.engine.backends", "tether.cluster"):
+        code = f"import sys; sys.modules['torch'] = None\nimport {module}\nfrom tether.config import TetherConfig"
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, (module, out.stderr[-2000:])
+
+
 def test_the_names_the_config_checks_are_the_registered_ones():
     import typing
 

@@ -22,16 +22,15 @@ from fastapi import FastAPI, HTTPException
 
 from tether.engine.core import EngineCore, RequestTooLarge
 from tether.engine.embedded import EngineError
-from tether.run.faults import engine_fault
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
-from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
 from tether.engine.protocol import (
-    AbortIn, ChatIn, CompletionIn, GenerateIn, InitGroupIn, PauseIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
-    UpdateWeightsIn, include_usage, openai_usage, response,
+    ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, UpdateDistributedIn, include_usage, openai_usage,
+    response,
 )
+from tether.engine.routes import mount_contract
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http.server import ThreadedServer
-from tether.weight_sync.group import GroupJoiner, JoinError, Receiver
+from tether.weight_sync.group import GroupJoiner, Receiver
 from tether.errors import TIMEOUTS
 
 MAX_CONCURRENT_REQUESTS = 512
@@ -50,174 +49,152 @@ async def _lifespan(app: FastAPI):
     yield
 
 
-def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0,
-              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
-    app = guard(FastAPI(title="tether engine", lifespan=_lifespan), limits)
-    tokenizer = core.tokenizer
+class EmbeddedHandler:
+    """The contract's work on the embedded engine's core (routes.py mounts the routes over it)."""
 
-    def run(prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:
+    refused = (EngineError, ValueError)
+
+    def __init__(self, core: EngineCore, model_name: str, request_timeout_s: float, join_timeout_s: float):
+        self.core, self.model_name, self.timeout_s = core, model_name, request_timeout_s
+        self.tokenizer = core.tokenizer
+        self.groups: dict[str, Receiver] = {}
+        self.joiner = GroupJoiner(join_timeout_s)
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParamsIn], rids: list[str | None]) -> list:
+        """Submit, then wait for every request (in a server thread); the failures as HTTP statuses."""
+        core = self.core
         try:
             reqs = core.submit_many([(p, sp.to_params(), rid) for p, sp, rid in zip(prompts, params, rids)])
         except (ValueError, RequestTooLarge) as err:
             raise _bad_request(err) from None
         try:
-            return [(req, req.future.result(timeout=request_timeout_s)) for req in reqs]
+            return [(req, req.future.result(timeout=self.timeout_s)) for req in reqs]
         except EngineError as err:
             raise HTTPException(status_code=503, detail=str(err)) from None
         except TIMEOUTS:
             for req in reqs:
                 core.abort(req.rid)
             raise HTTPException(status_code=504, detail=f"generation of {len(reqs)} request(s) took over "
-                                                        f"{request_timeout_s}s; aborted") from None
+                                                        f"{self.timeout_s}s; aborted") from None
         except Exception as err:  # the engine step failed: say why instead of a bare 500
             raise HTTPException(status_code=500, detail=f"generation failed: {type(err).__name__}: {err}") from None
 
-    def decode(ids: list[int], skip: bool = True) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip)
+    def decode(self, ids: list[int], skip: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
-    def generate_all(body: GenerateIn) -> Any:
-        prompts = body.prompts(tokenizer)
+    def _generate_all(self, body: GenerateIn) -> Any:
+        prompts = body.prompts(self.tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))
         except ValueError as err:
             raise _bad_request(err) from None
-        results = run(prompts, params, rids)
-        version = core.engine.weight_version
-        out = [response(o, req.rid, len(req.input_ids), _text(o, decode, sp), body.return_logprob, version)
+        results = self.run(prompts, params, rids)
+        version = self.core.engine.weight_version
+        out = [response(o, req.rid, len(req.input_ids), _text(o, self.decode, sp), body.return_logprob, version)
                for (req, o), sp in zip(results, params)]
         return out if body.is_batch else out[0]
 
-    async def submit_stream(prompt: list[int], sp: SamplingParamsIn, rid: str | None):
+    async def submit_stream(self, prompt: list[int], sp: SamplingParamsIn, rid: str | None):
         try:
-            return await token_steps(core, prompt, sp.to_params(), rid, request_timeout_s)
+            return await token_steps(self.core, prompt, sp.to_params(), rid, self.timeout_s)
         except (ValueError, RequestTooLarge) as err:
             raise _bad_request(err) from None
 
-    @app.post("/generate")
-    async def generate(body: GenerateIn) -> Any:
-        engine_fault()
+    async def generate(self, body: GenerateIn) -> Any:
         if not body.stream:  # the engine core's future is waited on in a thread, as for sync routes
-            return await anyio.to_thread.run_sync(generate_all, body)
+            return await anyio.to_thread.run_sync(self._generate_all, body)
         if body.is_batch:
             raise _bad_request(ValueError("stream: true takes one prompt, not a batch"))
         (params,), (rid,) = body.per_prompt(1)
-        req, steps = await submit_stream(body.prompts(tokenizer)[0], params, rid)
+        req, steps = await self.submit_stream(body.prompts(self.tokenizer)[0], params, rid)
+        decode = self.decode
         return sse(sglang_events(req, steps, lambda o: _text(o, decode, params), response,
                                  lambda ids: decode(ids, params.skip_special_tokens), body.return_logprob,
-                                 lambda: core.engine.weight_version), request_timeout_s)
+                                 self.weight_version), self.timeout_s)
 
-    @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok", **core.load()}
+    def weight_version(self) -> int:
+        return self.core.engine.weight_version
 
-    @app.get("/health_generate")
-    def health_generate() -> dict:
-        ids = tokenizer.encode("0", add_special_tokens=False) or [0]
-        run([ids], [SamplingParamsIn(max_new_tokens=1, temperature=0.0)], [None])
-        return {"status": "ok"}
+    def health(self) -> dict:
+        return self.core.load()
 
-    @app.get("/get_model_info")
-    def model_info() -> dict:
-        return {"model_path": model_name, "weight_version": core.engine.weight_version, "is_generation": True}
+    def health_generate(self) -> None:
+        ids = self.tokenizer.encode("0", add_special_tokens=False) or [0]
+        self.run([ids], [SamplingParamsIn(max_new_tokens=1, temperature=0.0)], [None])
 
-    @app.get("/get_load")
-    def get_load() -> dict:
-        cache = core.prefix_cache
+    def load(self) -> dict:
+        core, cache = self.core, self.core.prefix_cache
         prefix = {} if cache is None else {"prefix_cache": {"tokens": cache.tokens, "entries": len(cache), **cache.stats}}
         return {**core.load(), **core.stats, **core.batcher.stats, **prefix}
 
-    @app.post("/flush_cache")
-    def flush_cache() -> dict:
-        return {"success": True, "flushed_tokens": core.flush_cache()}
+    def flush_cache(self) -> dict:
+        return {"flushed_tokens": self.core.flush_cache()}
 
-    @app.post("/abort_request")
-    def abort_request(body: AbortIn) -> dict:
-        if not body.abort_all and body.rid is None:
-            raise _bad_request(ValueError("give `rid` or `abort_all: true`"))
-        return {"success": True, "aborted": core.abort(None if body.abort_all else body.rid)}
+    def abort(self, rid: str | None) -> int:
+        return self.core.abort(rid)
 
-    @app.post("/pause_generation")
-    def pause(body: PauseIn | None = None) -> dict:
-        core.pause(abort=body is not None and body.mode == "abort")
-        return {"success": True}
+    def pause(self, mode: str) -> None:
+        self.core.pause(abort=mode == "abort")
 
-    @app.post("/continue_generation")
-    def resume() -> dict:
-        core.resume()
-        return {"success": True}
+    def resume(self) -> None:
+        self.core.resume()
 
-    @app.post("/release_memory_occupation")
-    def release(body: TagsIn) -> dict:
-        tags = checked(memory_tags, body)
-        core.release_memory(tags)
-        return {"success": True, "released": sorted(core.engine.released)}
+    def release_memory(self, tags: list[str]) -> dict:
+        self.core.release_memory(tags)
+        return {"released": sorted(self.core.engine.released)}
 
-    @app.post("/resume_memory_occupation")
-    def resume_memory(body: TagsIn) -> dict:
-        tags = checked(memory_tags, body)
-        core.resume_memory(tags)
-        return {"success": True, "released": sorted(core.engine.released)}
+    def resume_memory(self, tags: list[str]) -> dict:
+        self.core.resume_memory(tags)
+        return {"released": sorted(self.core.engine.released)}
 
-    @app.post("/update_weights_from_tensor")
-    def update_weights(body: UpdateWeightsIn) -> dict:
-        tensors = checked(bucket_tensors, body)
-        version = body.weight_version if body.weight_version is not None else core.engine.weight_version + 1
+    def load_bucket(self, tensors: dict, version: int) -> int:
+        engine = self.core.engine
 
         def apply() -> int:
-            core.engine.load_weight_bucket(tensors, version)
-            return core.engine.commit_weights(version)
+            engine.load_weight_bucket(tensors, version)
+            return engine.commit_weights(version)
 
-        try:
-            return {"success": True, "weight_version": core.exclusive(apply)}
-        except EngineError as err:
-            raise _bad_request(err) from None
+        return self.core.exclusive(apply)
 
-    _add_distributed_routes(app, core, limits.join_timeout_s)
-    _add_openai_routes(app, core, run, decode, model_name, submit_stream, request_timeout_s)
-    return app
-
-
-def _add_distributed_routes(app: FastAPI, core: EngineCore, join_timeout_s: float) -> None:
-    groups: dict[str, Any] = {}
-    joiner = GroupJoiner(join_timeout_s)
-
-    @app.post("/init_weights_update_group")
-    def init_group(body: InitGroupIn) -> dict:
+    def join_group(self, body: InitGroupIn) -> None:
         # Blocks until every member (the trainer's rank 0 and all engines) has joined.
-        try:
-            group = joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size,
-                                body.backend, body.group_name)
-        except JoinError as err:
-            raise HTTPException(status_code=err.status, detail=str(err)) from None
-        for old in groups.values():  # a trainer that sets the transport up again does it for everyone
+        group = self.joiner.join(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                                 body.backend, body.group_name)
+        for old in self.groups.values():  # a trainer that sets the transport up again does it for everyone
             old.close()
-        groups.clear()
-        groups[body.group_name] = Receiver(group, core.engine.device)
-        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+        self.groups.clear()
+        self.groups[body.group_name] = Receiver(group, self.core.engine.device)
 
-    @app.post("/update_weights_from_distributed")
-    def update_distributed(body: UpdateDistributedIn) -> dict:
-        receiver = groups.get(body.group_name)
+    def receive_bucket(self, body: UpdateDistributedIn) -> int:
+        receiver = self.groups.get(body.group_name)
         if receiver is None:
-            raise _bad_request(ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group"))
-        checked(check_distributed, body)
-        version = body.weight_version
+            raise ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group")
+        engine, version = self.core.engine, body.weight_version
         # Receive outside the model lock (generation goes on), then load between two decode steps.
         with receiver.lock:
             tensors = receiver.receive(body.names, body.dtypes, body.shapes)
 
             def apply() -> int:
-                core.engine.load_weight_bucket(tensors, version if version is not None else core.engine.weight_version)
-                return core.engine.commit_weights(version) if version is not None else core.engine.weight_version
+                engine.load_weight_bucket(tensors, version if version is not None else engine.weight_version)
+                return engine.commit_weights(version) if version is not None else engine.weight_version
 
             try:
-                loaded = core.exclusive(apply)
-            except EngineError as err:
+                loaded = self.core.exclusive(apply)
+            except EngineError:
                 receiver.done()
-                raise _bad_request(err) from None
+                raise
             if version is not None:  # the push is complete: free the receive buffer until the next one
                 receiver.done()
-            return {"success": True, "weight_version": loaded}
+            return loaded
+
+
+def build_app(core: EngineCore, model_name: str = "tether-embedded", request_timeout_s: float = 600.0,
+              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+    app = guard(FastAPI(title="tether engine", lifespan=_lifespan), limits)
+    handler = EmbeddedHandler(core, model_name, request_timeout_s, limits.join_timeout_s)
+    mount_contract(app, handler)
+    _add_openai_routes(app, core, handler.run, handler.decode, model_name, handler.submit_stream, request_timeout_s)
+    return app
 
 
 def _text(out, decode, params: SamplingParamsIn) -> str:

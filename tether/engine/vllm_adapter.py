@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, HTTPException
 
-from tether.run.faults import engine_fault
-from tether.engine.payloads import bucket_tensors, check_distributed, checked, memory_tags
-from tether.engine.protocol import (AbortIn, GenerateIn, InitGroupIn, SamplingParamsIn, TagsIn, UpdateDistributedIn,
-                                    UpdateWeightsIn)
+from tether.engine.protocol import GenerateIn, InitGroupIn, SamplingParamsIn, UpdateDistributedIn
+from tether.engine.routes import mount_contract
 from tether.http.client import async_client, pool_limits
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits, guard
-from tether.weight_sync.group import JoinError
 
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request id
 
@@ -87,134 +84,100 @@ def _raise_for(reply: httpx.Response, what: str) -> None:
         raise HTTPException(status_code=status, detail=f"vLLM {what} answered {reply.status_code}: {reply.text[:2000]}")
 
 
-def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_timeout_s: float,
-                       limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
-    """``backend``: the VllmEngineActor (its vLLM URL, weight version and weight loading)."""
-    app = guard(FastAPI(title="tether vLLM adapter"), limits)
-    state: dict[str, httpx.AsyncClient] = {}
+class VllmHandler:
+    """The contract's work, translated into vLLM's endpoints (routes.py mounts the routes over it).
+    ``backend``: the VllmEngineActor (its vLLM URL, weight version and weight loading)."""
 
-    def client() -> httpx.AsyncClient:
-        # One pool per event loop (uvicorn's), made on first use inside it.
-        if "c" not in state:
-            state["c"] = async_client(request_timeout_s, limits=pool_limits(max_connections=None, max_keepalive=512))
-        return state["c"]
+    refused = (KeyError, ValueError)
 
-    async def one(prompt: list[int], sp: SamplingParamsIn, rid: str | None, logprob: bool) -> dict:
+    def __init__(self, backend: Any, tokenizer: Any, model_name: str, request_timeout_s: float):
+        self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.timeout_s = request_timeout_s
+        self._client: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        # One pool for the server's event loop (uvicorn's), made on first use inside it.
+        if self._client is None:
+            self._client = async_client(self.timeout_s, limits=pool_limits(max_connections=None, max_keepalive=512))
+        return self._client
+
+    async def forward(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        reply = await self.client().request(method, f"{self.backend.vllm_url}{path}", **kwargs)
+        _raise_for(reply, path)
+        return reply
+
+    async def one(self, prompt: list[int], sp: SamplingParamsIn, rid: str | None, logprob: bool) -> dict:
         rid = rid or uuid.uuid4().hex
-        version = backend.weight_version
+        version = self.backend.weight_version
         body = {"request_id": rid, "token_ids": prompt, "sampling_params": vllm_sampling(sp, logprob),
                 "output_mode": "text" if sp.stop else "tokens"}
-        reply = await client().post(f"{backend.vllm_url}/inference/v1/generate", json=body)
-        _raise_for(reply, "/inference/v1/generate")
+        reply = await self.forward("POST", "/inference/v1/generate", json=body)
         choice = reply.json()["choices"][0]
-        text = tokenizer.decode(choice.get("token_ids") or [], skip_special_tokens=sp.skip_special_tokens)
+        text = self.tokenizer.decode(choice.get("token_ids") or [], skip_special_tokens=sp.skip_special_tokens)
         return sglang_reply(choice, rid, len(prompt), text, logprob, version)
 
-    @app.post("/generate")
-    async def generate(body: GenerateIn) -> Any:
-        engine_fault()
+    async def generate(self, body: GenerateIn) -> Any:
         if body.stream:
             raise HTTPException(status_code=400, detail="stream: true is not supported by the vLLM backend's "
                                                         "/generate (vLLM's own /v1 routes stream)")
-        prompts = body.prompts(tokenizer)
+        prompts = body.prompts(self.tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))
         except ValueError as err:
             raise HTTPException(status_code=400, detail=str(err)) from None
-        out = await asyncio.gather(*(one(p, sp, rid, body.return_logprob) for p, sp, rid in zip(prompts, params, rids)))
+        out = await asyncio.gather(*(self.one(p, sp, rid, body.return_logprob)
+                                     for p, sp, rid in zip(prompts, params, rids)))
         return list(out) if body.is_batch else out[0]
 
-    async def forward(method: str, path: str, **kwargs: Any) -> httpx.Response:
-        reply = await client().request(method, f"{backend.vllm_url}{path}", **kwargs)
-        _raise_for(reply, path)
-        return reply
+    def weight_version(self) -> int:
+        return self.backend.weight_version
 
-    @app.get("/health")
-    async def health() -> dict:
-        await forward("GET", "/health")
-        return {"status": "ok"}
+    async def health(self) -> dict:
+        await self.forward("GET", "/health")
+        return {}
 
-    @app.get("/health_generate")
-    async def health_generate() -> dict:
-        await one([0], SamplingParamsIn(max_new_tokens=1, temperature=0.0), None, False)
-        return {"status": "ok"}
+    async def health_generate(self) -> None:
+        await self.one([0], SamplingParamsIn(max_new_tokens=1, temperature=0.0), None, False)
 
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        return {"model_path": model_name, "weight_version": backend.weight_version, "is_generation": True}
+    async def load(self) -> dict:
+        return (await self.forward("GET", "/load")).json()
 
-    @app.get("/get_load")
-    async def get_load() -> dict:
-        return (await forward("GET", "/load")).json()
+    async def flush_cache(self) -> dict:
+        await self.forward("POST", "/reset_prefix_cache")
+        return {}
 
-    @app.post("/flush_cache")
-    async def flush_cache() -> dict:
-        await forward("POST", "/reset_prefix_cache")
-        return {"success": True}
+    async def abort(self, rid: str | None) -> int:
+        ids = {} if rid is None else {"request_ids": [VLLM_ID_PREFIX + rid]}
+        reply = await self.forward("POST", "/abort_requests", json=ids)
+        return reply.json().get("aborted", 0)
 
-    @app.post("/abort_request")
-    async def abort_request(body: AbortIn) -> dict:
-        if not body.abort_all and body.rid is None:
-            raise HTTPException(status_code=400, detail="give `rid` or `abort_all: true`")
-        ids = {} if body.abort_all else {"request_ids": [VLLM_ID_PREFIX + body.rid]}
-        reply = await forward("POST", "/abort_requests", json=ids)
-        return {"success": True, "aborted": reply.json().get("aborted", 0)}
+    async def pause(self, mode: str) -> None:
+        # vLLM's keep: running requests hold with their KV (the contract's in_place; retract reads the same).
+        await self.forward("POST", "/pause", params={"mode": "abort" if mode == "abort" else "keep"})
 
-    @app.post("/pause_generation")
-    async def pause() -> dict:
-        await forward("POST", "/pause", params={"mode": "keep"})  # running requests hold, KV kept
-        return {"success": True}
+    async def resume(self) -> None:
+        await self.forward("POST", "/resume")
 
-    @app.post("/continue_generation")
-    async def resume() -> dict:
-        await forward("POST", "/resume")
-        return {"success": True}
+    def release_memory(self, tags: list[str]) -> dict:
+        self.backend.release_memory(tags)
+        return {}
 
-    _add_memory_routes(app, backend)
-    _add_weight_routes(app, backend)
-    return app
+    def resume_memory(self, tags: list[str]) -> dict:
+        self.backend.resume_memory(tags)
+        return {}
+
+    def load_bucket(self, tensors: dict, version: int) -> int:
+        self.backend.load_tensors(tensors)
+        return self.backend.commit_weights(version)
+
+    def join_group(self, body: InitGroupIn) -> None:
+        self.backend.join_weight_group(body)
+
+    def receive_bucket(self, body: UpdateDistributedIn) -> int:
+        return self.backend.receive_bucket(body)
 
 
-
-def _add_memory_routes(app: FastAPI, backend: Any) -> None:
-    @app.post("/release_memory_occupation")
-    def release(body: TagsIn) -> dict:
-        backend.release_memory(checked(memory_tags, body))
-        return {"success": True}
-
-    @app.post("/resume_memory_occupation")
-    def resume_memory(body: TagsIn) -> dict:
-        backend.resume_memory(checked(memory_tags, body))
-        return {"success": True}
-
-
-def _add_weight_routes(app: FastAPI, backend: Any) -> None:
-    def guarded(load: Callable[[], int]) -> dict:
-        try:
-            return {"success": True, "weight_version": load()}
-        except (KeyError, ValueError) as err:
-            raise HTTPException(status_code=400, detail=str(err)) from None
-
-    @app.post("/update_weights_from_tensor")
-    def update_weights(body: UpdateWeightsIn) -> dict:
-        tensors = checked(bucket_tensors, body)
-        version = body.weight_version if body.weight_version is not None else backend.weight_version + 1
-
-        def load() -> int:
-            backend.load_tensors(tensors)
-            return backend.commit_weights(version)
-
-        return guarded(load)
-
-    @app.post("/init_weights_update_group")
-    def init_group(body: InitGroupIn) -> dict:
-        try:
-            backend.join_weight_group(body)
-        except JoinError as err:
-            raise HTTPException(status_code=err.status, detail=str(err)) from None
-        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
-
-    @app.post("/update_weights_from_distributed")
-    def update_distributed(body: UpdateDistributedIn) -> dict:
-        checked(check_distributed, body)
-        return guarded(lambda: backend.receive_bucket(body))
+def build_vllm_adapter(backend: Any, tokenizer: Any, model_name: str, request_timeout_s: float,
+                       limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+    return mount_contract(guard(FastAPI(title="tether vLLM adapter"), limits),
+                          VllmHandler(backend, tokenizer, model_name, request_timeout_s))
