@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check tether tests recipes
+.venv/bin/python -m mypy tether
 exec .venv/bin/python -m pytest -q "$@"

@@ -118,11 +118,11 @@ def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
                    f"placement group of {n_bundles} bundles {bundle}")
     if cfg.colocate:
         train = list(range(n_train))
-        engines = [i % n_bundles for i in range(n_engine)]
+        engine_bundles = [i % n_bundles for i in range(n_engine)]
     else:
         train = list(range(n_train))
-        engines = list(range(n_train, n_train + n_engine))
-    return Placement(group=group, train_bundles=train, engine_bundles=engines, colocate=cfg.colocate)
+        engine_bundles = list(range(n_train, n_train + n_engine))
+    return Placement(group=group, train_bundles=train, engine_bundles=engine_bundles, colocate=cfg.colocate)
 
 
 def actor_resources(cfg: ClusterConfig, share: int) -> dict[str, float]:

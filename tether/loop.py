@@ -35,6 +35,11 @@ class Rollout(Protocol):
     def onload(self, tags: list[str]) -> None: ...
 
 
+class SavesState(Protocol):
+    """What ``save`` needs of the rollout side: a Rollout, or SFT's data position."""
+    def save_state(self, ckpt_dir: str) -> None: ...
+
+
 class Checkpointer(Protocol):
     def stage(self, rollout_id: int) -> str: ...
     def commit(self, rollout_id: int, metrics: dict[str, float] | None = None) -> str: ...
@@ -122,7 +127,7 @@ def begin(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, 
             startup.report()
 
 
-def save(trainer: Trainer, rollout: Rollout, checkpointer: Checkpointer, rollout_id: int, metrics: dict) -> None:
+def save(trainer: Trainer, rollout: SavesState, checkpointer: Checkpointer, rollout_id: int, metrics: dict) -> None:
     """Checkpoint after rollout_id's train step: trainer and rollout state, then the commit. A save
     that fails (disk full, permission) is removed, so the previous checkpoint stays the latest."""
     t_save = time.perf_counter()

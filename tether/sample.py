@@ -148,6 +148,12 @@ class Sample:
     def describe(self) -> str:
         return f"rollout {self.rollout_id}, prompt_index={self.prompt_index}, sample_index={self.sample_index}"
 
+    def scored_reward(self) -> float:
+        """``reward`` as a float, once the reward function has set it (a SampleError before)."""
+        if self.reward is None:
+            raise SampleError(f"{self.describe()}: no reward yet (the sample has not been scored)")
+        return float(self.reward)
+
     def response_loss_mask(self) -> list[int]:
         """The loss mask over the response tokens (all 1 when unset)."""
         return list(self.loss_mask) if self.loss_mask is not None else [1] * self.response_length

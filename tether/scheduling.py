@@ -38,7 +38,8 @@ def never_fits(bundles: list[dict[str, float]]) -> str | None:
     for k, bundle in enumerate(bundles):
         if not any(all(node.get(r, 0) >= v for r, v in bundle.items()) for node in nodes):
             return f"bundle {k} asks for {_fmt(bundle)} and no node has that much"
-    need, have = Counter(), Counter()
+    need: Counter[str] = Counter()
+    have: Counter[str] = Counter()
     for bundle in bundles:
         need.update(bundle)
     for node in nodes:

@@ -42,9 +42,9 @@ def resolve_resume(cfg: TetherConfig, overwrite: bool = False, config_path: str 
         # Asked to resume a run that never finished a checkpoint: its logs describe nothing that
         # survives, so they are replaced; any other earlier run is refused unless overwriting.
         nothing_kept = bool(cfg.checkpoint.load) and find_latest(cfg.checkpoint_dir) is None
-        for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite or nothing_kept, command=command,
-                          config_path=config_path):
-            print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
+        for deleted in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite or nothing_kept, command=command,
+                             config_path=config_path):
+            print(f"[tether] deleted {deleted} of the earlier run", file=sys.stderr)
         return None, 0, {}
     path, rollout_id = found
     meta = read_meta(path)
@@ -139,7 +139,8 @@ def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> 
             rollout.load_state(load_path)
         if engines or cfg.external_engines:
             trainer.connect_engines(engines, cfg.external_engines)
-            rollout.load_weights = trainer.replace_engine  # a replaced engine gets the current weights
+            if isinstance(rollout, RolloutHandle):  # a replay has no engines of its own to replace
+                rollout.load_weights = trainer.replace_engine  # a replaced engine gets the current weights
         plan = LoopPlan(start=start, num_rollout=num_rollout, num_rollout_per_epoch=per_epoch,
                         eval_interval=cfg.eval.interval, save_interval=cfg.checkpoint.save_interval,
                         offload=cfg.cluster.offload and not replay, has_eval=bool(cfg.eval.datasets) and not replay,

@@ -314,7 +314,8 @@ def policy_objective(
     if params.kl_loss_coef > 0 and inp.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
 
-    pg_inp, metrics = inp, {}
+    pg_inp = inp
+    metrics: dict[str, float] = {}
     if params.rollout_correction != "none":
         if inp.rollout_logprobs is None:
             raise ValueError(f"rollout_correction {params.rollout_correction!r} needs rollout_logprobs")

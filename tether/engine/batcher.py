@@ -17,7 +17,8 @@ attention serves it unchanged. At each step:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Collection
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -68,6 +69,8 @@ class GrowingLayer(DynamicLayer):
         if self._klen == 0:
             self.keys, self.values = key_states, value_states
             return self.keys, self.values
+        # _klen > 0: keys were adopted (above or by a batch edit), and values with them.
+        assert self._kbuf is not None and self._vbuf is not None
         self._kbuf, self._klen = self._append(self._kbuf, self._klen, key_states)
         self._vbuf, self._vlen = self._append(self._vbuf, self._vlen, value_states)
         return self.keys, self.values
@@ -87,6 +90,18 @@ def new_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def _layers(cache: DynamicCache) -> list[GrowingLayer]:
+    # Every layer of a new_cache() is a GrowingLayer; HF types `layers` as any kind of cache layer.
+    return cast("list[GrowingLayer]", cache.layers)
+
+
+def _kv(layer: GrowingLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values; set in every layer of a cache the model has run on."""
+    keys, values = layer.keys, layer.values
+    assert keys is not None and values is not None
+    return keys, values
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -115,10 +130,12 @@ class RunningBatch:
         if self.cache is None:
             self.seqs, self.cache, self.mask = list(seqs), cache, mask
             return
+        assert self.mask is not None  # set together with the cache
         width = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, width, 2), _pad_left(theirs.keys, width, 2)], dim=0)
-            mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)], dim=0)
+        for mine, theirs in zip(_layers(self.cache), _layers(cache)):
+            (my_keys, my_values), (their_keys, their_values) = _kv(mine), _kv(theirs)
+            mine.keys = torch.cat([_pad_left(my_keys, width, 2), _pad_left(their_keys, width, 2)], dim=0)
+            mine.values = torch.cat([_pad_left(my_values, width, 2), _pad_left(their_values, width, 2)], dim=0)
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)], dim=0)
         self.seqs.extend(seqs)
 
@@ -127,15 +144,18 @@ class RunningBatch:
         if not rows:
             self.seqs, self.cache, self.mask = [], None, None
             return
+        # Rows to keep: the batch is not empty, so it has its cache and mask.
+        assert self.cache is not None and self.mask is not None
         index = torch.tensor(rows, dtype=torch.long)
         self.seqs = [self.seqs[r] for r in rows]
         self.mask = self.mask[index]
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else 0
         self.mask = self.mask[:, start:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
+        for layer in _layers(self.cache):
+            keys, values = _kv(layer)
+            layer.keys = keys[index, :, start:]
+            layer.values = values[index, :, start:]
 
 
 class ContinuousBatcher:
@@ -226,6 +246,7 @@ class ContinuousBatcher:
             values = torch.zeros_like(keys)
             for row, (entry, length) in enumerate(hits):
                 if length:
+                    assert entry is not None  # a prompt with a cached prefix has its entry
                     keys[row, :, past - length:] = entry.keys[layer][:, :length]
                     values[row, :, past - length:] = entry.values[layer][:, :length]
                     past_mask[row, past - length:] = 1
@@ -234,17 +255,21 @@ class ContinuousBatcher:
 
     def _remember(self, row: int, tokens: list[int], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Offer row's KV (the columns its mask marks, i.e. ``tokens``) to the prefix cache."""
+        assert self.prefix_cache is not None  # the callers remember only with a prefix cache
         columns = mask[row].bool()
-        self.prefix_cache.insert(tokens, [layer.keys[row][:, columns] for layer in cache.layers],
-                                 [layer.values[row][:, columns] for layer in cache.layers])
+        kvs = [_kv(layer) for layer in _layers(cache)]
+        self.prefix_cache.insert(tokens, [keys[row][:, columns] for keys, _ in kvs],
+                                 [values[row][:, columns] for _, values in kvs])
 
     @torch.no_grad()
-    def decode_step(self, abort: set[int] = frozenset()) -> list[Sequence]:
+    def decode_step(self, abort: Collection[int] = frozenset()) -> list[Sequence]:
         """Feed every running row its pending token, sample the next one; return the rows that finished.
 
         Rows in ``abort`` (indices into the batch) finish with "abort" before the step runs.
         """
         b = self.batch
+        # The core steps only a batch with rows in it, so it has its cache and mask.
+        assert b.cache is not None and b.mask is not None
         for row in abort:
             b.seqs[row].finish_reason = "abort"
         if abort:
@@ -267,6 +292,7 @@ class ContinuousBatcher:
         b = self.batch
         finished = [s for s in b.seqs if s.finish_reason is not None]
         if finished and self.prefix_cache is not None:
+            assert b.cache is not None and b.mask is not None  # rows finished: the batch had rows
             # What a row was fed (its last token never was) may be the next turn's prefix.
             for row, seq in enumerate(b.seqs):
                 if seq.finish_reason is not None:

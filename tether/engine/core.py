@@ -15,6 +15,7 @@ parallel regions, which costs a decode step ~20% on a 2-core CPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -111,7 +112,7 @@ class EngineCore:
         for req in reqs:
             if req.on_tokens is not None:
                 self._streams.add(req.rid)
-                req.future.add_done_callback(lambda _, rid=req.rid: self._streams.discard(rid))
+                req.future.add_done_callback(functools.partial(self._stream_done, req.rid))
         with self._cond:
             self._waiting.extend(reqs)
             self.stats["requests"] += len(reqs)
@@ -210,11 +211,14 @@ class EngineCore:
     def resume_memory(self, tags: list[str]) -> None:
         self.exclusive(lambda: self.engine.resume_memory(tags))
 
+    def _stream_done(self, rid: str, _future: Future) -> None:
+        self._streams.discard(rid)
+
     # ------------------------------------------------------------ worker side
     def _admit(self) -> list[Request]:
         """Waiting requests that fit next to the running ones (oldest first)."""
         with self._cond:
-            admitted = []
+            admitted: list[Request] = []
             while self._waiting and len(self._running) + len(admitted) < self.max_batch:
                 need = self._waiting[0].kv_tokens
                 if self._reserved + need > self.max_batch_tokens:

@@ -37,7 +37,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 class GenerateOutput:
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort"; None on a partial output a stream sends before the end
     matched_stop: int | str | None = None
     """The stop token id or stop string that ended the row ("stop"); None for "length" and "abort"."""
     text: str | None = None
@@ -111,10 +111,11 @@ class Sequence:
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"
 
-    def _stop_string(self, decode: Callable[[list[int]], str]) -> str | None:
+    def _stop_string(self, decode: Callable[[list[int]], str] | None) -> str | None:
         """The stop string the text now contains, if any. Only the new text (and the stop length - 1
         characters before it) can hold one: an earlier match would have stopped an earlier step."""
         if self.detok is None:
+            assert decode is not None  # ContinuousBatcher.new_sequence refuses stop strings without one
             self.detok = IncrementalDetokenizer(decode)
         new = self.detok.update(self.output_ids)
         if not new:

@@ -5,7 +5,7 @@ uses them (`/generate` with `input_ids` or `text`, `sampling_params`, `return_lo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -70,17 +70,22 @@ class GenerateIn(Strict):
 
     @property
     def is_batch(self) -> bool:
-        return isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+        ids = self.input_ids
+        return isinstance(self.text, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
 
     def prompts(self, tokenizer: Any) -> list[list[int]]:
         if self.input_ids is not None:
-            return [list(x) for x in self.input_ids] if self.is_batch else [list(self.input_ids)]
+            # is_batch tells which of the two shapes input_ids has.
+            if self.is_batch:
+                return [list(x) for x in cast("list[list[int]]", self.input_ids)]
+            return [list(cast("list[int]", self.input_ids))]
         texts = self.text if isinstance(self.text, list) else [self.text]
         return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def per_prompt(self, n: int) -> tuple[list[SamplingParamsIn], list[str | None]]:
         params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params] * n
-        rids = self.rid if isinstance(self.rid, list) else [self.rid] * n if n == 1 else [None] * n
+        rids: list[str | None] = (list(self.rid) if isinstance(self.rid, list) else [self.rid] * n if n == 1
+                                  else [None] * n)
         if len(params) != n or len(rids) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling_params and {len(rids)} rids")
         return params, rids

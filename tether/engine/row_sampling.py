@@ -143,6 +143,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: t
         if every:
             tokens = drawn
         else:
+            assert tokens is not None  # some row is greedy: its argmax is there
             tokens[idx] = drawn
+    assert tokens is not None  # the greedy rows' argmax, or every row drawn
     logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
     return tokens, logprobs

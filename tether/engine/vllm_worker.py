@@ -19,6 +19,7 @@ the kernels' layouts (on CPU the linear layers drop their weights after pre-pack
 from __future__ import annotations
 
 import json
+from typing import Any
 from multiprocessing import shared_memory
 
 import torch
@@ -28,17 +29,23 @@ from tether.weight_sync.group import DTYPES, join_group, leave_group
 
 def _attach(name: str) -> shared_memory.SharedMemory:
     try:
-        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+        # track= is Python >= 3.13 (type-checked as 3.10); older ones raise TypeError, handled below.
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
     except TypeError:
         from multiprocessing import resource_tracker
 
         shm = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(shm._name, "shared_memory")  # the writer owns it
+        # the writer owns it; _name (with its leading "/") is what attaching registered, not in typeshed
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         return shm
 
 
 class TetherWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``)."""
+
+    # Set by the vLLM worker this class is mixed into; declared for the type checker, which has no vLLM.
+    rank: int
+    model_runner: Any
 
     def tether_load_bucket(self, spec_json: str) -> int:
         """Copy one bucket out of shared memory: ``{"segment": name, "entries": [[name, dtype, shape,

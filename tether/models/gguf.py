@@ -24,6 +24,7 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import cast
 
 GGUF_MAGIC = b"GGUF"
 
@@ -47,7 +48,8 @@ def gguf_in_package(package: str) -> Path:
     if len(files) != 1:
         raise GGUFImportError(f"the {package} package holds {len(files)} .gguf files ({files[:5]}); "
                               "name the one to import by its path")
-    return Path(dist.locate_file(files[0]))
+    # An installed package's files are pathlib paths; typeshed types them as its SimplePath protocol.
+    return Path(cast(Path, dist.locate_file(files[0])))
 
 
 def smollm2_gguf() -> Path:

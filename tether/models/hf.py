@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -19,7 +18,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
+def load_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     """An HF causal LM from a local directory; a missing or foreign directory gets a clear error."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path={path!r} is not a directory with an HF config.json")
@@ -30,4 +29,6 @@ def load_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
             raise
         # Gemma 2 soft-caps its attention scores, which torch's fused attention cannot do
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="eager")
-    return model.to(device)
+    # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as
+    # the unbound function (self first); it is the bound method and returns the model.
+    return model.to(device)  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ class Scorer:
 
     async def score_group(self, samples: list[Sample]) -> None:
         """Set the reward of every sample of one group."""
+        values: list | None
         if self.remote is not None:  # bounded by its own timeout and retries
             values = await self.remote.score(samples)
         else:
@@ -66,10 +67,12 @@ class Scorer:
 
     async def _local(self, samples: list[Sample]) -> list | None:
         if self.group_fn is not None:
-            return await self._group(samples)
-        if is_async(self.fn):
-            return list(await asyncio.gather(*(self._one_async(s) for s in samples)))
-        await asyncio.get_running_loop().run_in_executor(self._threads, compute_rewards, self.fn, samples, self.spec,
+            return await self._group(self.group_fn, samples)
+        fn = self.fn
+        assert fn is not None  # loaded unless the reward is remote (not scored here) or a group reward
+        if is_async(fn):
+            return list(await asyncio.gather(*(self._one_async(fn, s) for s in samples)))
+        await asyncio.get_running_loop().run_in_executor(self._threads, compute_rewards, fn, samples, self.spec,
                                                          self.key)
         return None
 
@@ -79,21 +82,21 @@ class Scorer:
             for k in range(0, len(samples), group_size):
                 await self.score_group(samples[k:k + group_size])
         asyncio.run(run())
-        return [float(s.reward) for s in samples]
+        return [s.scored_reward() for s in samples]
 
-    async def _one_async(self, sample: Sample) -> Any:
+    async def _one_async(self, fn: Callable[[Sample], Any], sample: Sample) -> Any:
         try:
-            return await self.fn(sample)
+            return await fn(sample)
         except Exception as exc:
             raise reward_raised(self.spec, sample, exc) from exc
 
-    async def _group(self, samples: list[Sample]) -> list:
+    async def _group(self, group_fn: Callable[[list[Sample]], Any], samples: list[Sample]) -> list:
         try:
-            if inspect.iscoroutinefunction(self.group_fn):
-                values = await self.group_fn(samples)
+            if inspect.iscoroutinefunction(group_fn):
+                values = await group_fn(samples)
             else:
                 values = await asyncio.get_running_loop().run_in_executor(
-                    self._threads, lambda: resolve(self.group_fn(samples)))
+                    self._threads, lambda: resolve(group_fn(samples)))
         except Exception as exc:
             raise RewardError(f"rollout.group_reward '{self.group_spec}' raised {type(exc).__name__}: {exc} "
                               f"(group of rollout {samples[0].rollout_id}, prompt_index={samples[0].prompt_index})") from exc
@@ -106,6 +109,7 @@ class Scorer:
         """Run the post-process hook over a rollout's samples: it changes rewards in place, or returns new ones."""
         if self.post_fn is None:
             return
+        assert self.post_spec is not None  # post_fn was loaded from it
         try:
             values = resolve(self.post_fn(samples))
         except Exception as exc:

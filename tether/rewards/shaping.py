@@ -32,6 +32,6 @@ def apply_overlong_penalty(samples: Sequence[Sample], max_len: int, buffer_len: 
     total = 0.0
     for sample in samples:
         penalty = overlong_penalty(sample.response_length, max_len, buffer_len, factor)
-        sample.reward = float(sample.reward) + penalty
+        sample.reward = sample.scored_reward() + penalty
         total += penalty
     return total / max(len(samples), 1)

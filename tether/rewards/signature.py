@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, cast
 
 from tether.sample import Sample
 
@@ -34,7 +34,8 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 
 def resolve(value: Any) -> Any:
     """The value of a reward call made outside an event loop (an async reward returns a coroutine)."""
-    return asyncio.run(value) if inspect.isawaitable(value) else value
+    # An async reward's call returns a coroutine (asyncio.run takes nothing else).
+    return asyncio.run(cast("Coroutine[Any, Any, Any]", value)) if inspect.isawaitable(value) else value
 
 
 def is_async(fn: Callable) -> bool:
@@ -49,7 +50,8 @@ def adapt_reward(fn: Callable, spec: str, error: type[Exception]) -> Callable[[S
     """
     adapted = _adapt(fn, spec, error)
     if adapted is not fn:
-        adapted.is_async = inspect.iscoroutinefunction(fn)
+        # A function attribute, read back by is_async; mypy does not type attributes set on functions.
+        adapted.is_async = inspect.iscoroutinefunction(fn)  # type: ignore[attr-defined]
     return adapted
 
 

@@ -22,8 +22,11 @@ class DataExhaustedError(RuntimeError):
 
 async def builtin_rollout(ctx: RolloutContext, rollout_id: int, data_source: RolloutDataSource | EvalDataSource,
                           evaluation: bool = False) -> RolloutOutput:
+    # An eval set's source comes with evaluation=True, the training prompts' without (the manager's calls).
     if evaluation:
+        assert isinstance(data_source, EvalDataSource)
         return await _eval(ctx, data_source)
+    assert isinstance(data_source, RolloutDataSource)
     r = ctx.cfg.rollout
     data, buffer = data_source.data, data_source.buffer
     carried = buffer.take()  # partial rollout: last rollout's unfinished groups go first

@@ -73,6 +73,7 @@ class ChatServer(ThreadedServer):
                 raise HTTPException(status_code=400, detail="request body must be a JSON object")
             try:
                 # The turn runs on the rollout's loop: its HTTP client, seeds and aborts live there.
+                assert session.loop is not None  # set before the session is added to the server
                 reply = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.complete(body), session.loop))
             except ChatRequestError as err:
                 raise HTTPException(status_code=400, detail=str(err)) from None

@@ -32,6 +32,7 @@ import asyncio
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from tether.engine.protocol import openai_usage
@@ -227,7 +228,7 @@ class ChatSession:
         return params
 
     def _reply(self, body: dict, content: str, calls: list[ToolCall], logprobs: list[float], finish: str,
-               ids: list[int] = ()) -> dict:
+               ids: Sequence[int] = ()) -> dict:
         message: dict = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",

@@ -1,5 +1,5 @@
 """The rollout: section of a recipe (how many rollouts, how big, how responses are sampled, scored and
-scheduled), beside the rollout code it configures (tether/config/__init__.py assembles the tree). Imports no torch."""
+scheduled), beside the rollout code it configures (tether/config/tree.py assembles the tree). Imports no torch."""
 
 from __future__ import annotations
 

@@ -55,18 +55,21 @@ def not_generated(field: str) -> ConfigError:
 def load_train_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> LoadedRows:
     if cfg.data.path is None and cfg.data.reasoning_gym is not None:
         raise not_generated("data")
+    assert cfg.data.path is not None  # the callers load train rows only for a data section with a source
     r = cfg.rollout
     return load_prompt_rows(cfg.data.path, tokenizer, **load_keys(cfg),
                             checks=row_checks(cfg, r.reward, r.max_response_len, positions))
 
 
 def load_eval_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> list[LoadedRows]:
+    paths: list[str] = []
     for i, e in enumerate(cfg.eval.datasets):
         if e.path is None:
             raise not_generated(f"eval.datasets[{i}]")
-    return [load_prompt_rows(e.path, tokenizer, **load_keys(cfg),
+        paths.append(e.path)
+    return [load_prompt_rows(path, tokenizer, **load_keys(cfg),
                              checks=row_checks(cfg, e.reward or cfg.rollout.reward, e.max_response_len, positions))
-            for e in cfg.eval.datasets]
+            for path, e in zip(paths, cfg.eval.datasets)]
 
 
 def check_prompt_data(cfg: TetherConfig) -> list[str]:

@@ -246,7 +246,7 @@ class _Run:
 
     def _result(self, chosen: list[Started] | None) -> DriverResult:
         exhausted = chosen is None
-        if exhausted:
+        if chosen is None:
             chosen = [i for i in self.started if i.kept]
         chosen_ids = {i.start for i in chosen}
         if self.s.keep_first_finished:  # every started group is used up: kept, dropped or left over

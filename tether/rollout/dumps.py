@@ -32,7 +32,7 @@ class Dumps:
         """Per-answer counts and mean rewards of one eval, most common first."""
         rewards: dict[str, list[float]] = {}
         for s in samples:
-            rewards.setdefault(s.response_text.strip(), []).append(float(s.reward))
+            rewards.setdefault(s.response_text.strip(), []).append(s.scored_reward())
         rows = [{"answer": a, "count": c, "mean_reward": statistics.fmean(rewards[a])} for a, c in answers.most_common()]
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / name).write_text(json.dumps(rows, indent=1) + "\n")

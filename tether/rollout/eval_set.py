@@ -37,10 +37,10 @@ def prompt_pass_rates(samples: list[Sample], n: int, threshold: float) -> list[d
     rows = []
     for k in range(0, len(samples), n):
         group = samples[k:k + n]
-        passed = sum(float(s.reward) >= threshold for s in group)
+        passed = sum(s.scored_reward() >= threshold for s in group)
         rows.append({"prompt_index": group[0].prompt_index, "prompt": group[0].prompt, "label": group[0].label,
                      "n": len(group), "passed": passed, "pass_rate": passed / len(group),
-                     "mean_reward": statistics.fmean(float(s.reward) for s in group)})
+                     "mean_reward": statistics.fmean(s.scored_reward() for s in group)})
     return rows
 
 
@@ -56,7 +56,9 @@ class EvalSet:
     """One named eval dataset with its own sampling settings and reward."""
 
     def __init__(self, cfg: EvalDatasetConfig, rows: list[PromptRow], scorer: Scorer):
-        self.cfg = cfg
+        if cfg.name is None:  # the config names every set (a reasoning_gym per_task set by its task)
+            raise ValueError("an eval set without a name reached the rollout manager")
+        self.cfg, self.name = cfg, cfg.name
         self.rows = rows
         self.scorer = scorer
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -85,12 +87,12 @@ class EvalSet:
     def summarize(self, groups: list[list[Sample]], extra: dict[str, float]) -> tuple[dict, list[Sample], list[dict], Counter]:
         """An eval's metrics under eval/<name>/ (``extra``: the rollout function's own), its samples, the
         per-prompt pass rates and the answer counts."""
-        name = self.cfg.name
+        name = self.name
         samples = [s for group in groups for s in group]
         n = len(groups[0])
         metrics: dict = {key if key.startswith(f"eval/{name}/") else f"eval/{name}/{key}": value
                          for key, value in extra.items()}
-        metrics[f"eval/{name}/score"] = statistics.fmean(float(s.reward) for s in samples)
+        metrics[f"eval/{name}/score"] = statistics.fmean(s.scored_reward() for s in samples)
         metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
         metrics.update(sample_metrics(samples, f"eval/{name}"))
         prompts = prompt_pass_rates(samples, n, self.cfg.pass_threshold)

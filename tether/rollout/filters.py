@@ -21,7 +21,7 @@ Filter = Callable[[list[Sample]], tuple[bool, str]]
 def nonzero_reward_std(samples: list[Sample]) -> tuple[bool, str]:
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero group-relative advantage
     everywhere, so it would cost a step and teach nothing."""
-    rewards = [float(s.reward) for s in samples]
+    rewards = [s.scored_reward() for s in samples]
     if len(rewards) > 1 and statistics.pstdev(rewards) > 0:
         return True, ""
     return False, "all_correct" if rewards and min(rewards) > 0 else "zero_std"

@@ -13,6 +13,7 @@ one would have given. Nothing of the first try was kept (a sample is filled only
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import httpx
 
@@ -97,7 +98,8 @@ class EngineFleet:
         start = time.perf_counter()
         while True:
             try:
-                return await self.router.generate_async(client, payload)
+                # A batch payload (one entry per sample): /generate answers with a list.
+                return cast("list[dict]", await self.router.generate_async(client, payload))
             except httpx.HTTPStatusError as err:
                 raise GenerationError(f"{what}: {_url(err)} answered {err.response.status_code}: "
                                       f"{err.response.text}") from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import time
 from typing import Awaitable, Callable
 
@@ -60,11 +61,12 @@ class GroupRunner:
                                       [r for group_rids in rids for r in group_rids], what)
             return
         names = names or [what] * len(groups)
-        await asyncio.gather(*(self._one(client, g, seeds[k], rids[k], names[k], lambda k=k: is_cut(k))
+        await asyncio.gather(*(self._one(client, g, seeds[k], rids[k], names[k], functools.partial(is_cut, k))
                                for k, g in enumerate(groups)))
 
     async def _one(self, client: httpx.AsyncClient, samples: Group, seeds: list[int], rids: list[str],
                    what: str, is_cut: Callable[[], bool]) -> None:
+        assert self.custom is not None  # generate() runs a group on its own only with generate functions
         spec = self.custom.spec_for(samples[0])
         if spec is None:
             return await self.fleet.generate(client, samples, self.params, seeds, rids, what)
@@ -81,9 +83,17 @@ class GroupRunner:
             except (EngineLost, GenerateError) as err:
                 cause = err.__cause__
                 connection = isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
-                if before is None or not (isinstance(err, EngineLost) or connection):
+                if before is None:
                     raise
-                router.mark_lost(url, f"{type(cause).__name__}: {cause}" if connection else err.reason)
+                if connection:
+                    reason = f"{type(cause).__name__}: {cause}"
+                elif isinstance(err, EngineLost):
+                    reason = err.reason
+                else:
+                    raise
+                if url is None:  # lost before the lease began (Router.bound refused it): no URL to mark
+                    raise
+                router.mark_lost(url, reason)
                 samples[:] = before
                 self.fleet.reissued_samples += len(samples)
 
@@ -93,6 +103,8 @@ class GroupRunner:
         timeout); else scored and put to the filter."""
         if any(s.status == "aborted" for s in samples):
             return (None, "") if cut_by_us else (False, ABORTED_BY_ENGINE)
+        # Judging runners have both; only generate_group's (rollout functions) has neither, and never judges.
+        assert self.score is not None and self.keep is not None
         start = time.perf_counter()
         await asyncio.wait_for(self.score(samples), self.timeout_s)
         self.reward_s += time.perf_counter() - start

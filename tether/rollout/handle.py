@@ -72,7 +72,8 @@ class RolloutHandle:
         self.engines = engines
         self.restarts = 0
         self.load_weights: WeightLoader | None = None  # set once a trainer holds the weights
-        manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)
+        # concurrency_groups is an actor option Ray's typed overloads of ray.remote leave out.
+        manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)  # type: ignore[call-overload]
         self.actor = manager.options(num_cpus=MANAGER_CPUS, **key_env(cfg.cluster)).remote(cfg.model_dump(mode="json"))
         try:
             self.info = wait_started(self.actor.data_info.remote(), self.actor, {"CPU": MANAGER_CPUS}, self.timeout_s,
@@ -134,6 +135,7 @@ class RolloutHandle:
               f"(engine restart {self.restarts}/{c.max_engine_restarts})", file=sys.stderr, flush=True)
         start = time.perf_counter()
         ray.kill(self.engines[index], no_restart=True)  # a frozen process too: Ray kills it
+        assert self.placement is not None  # engines are replaced only with a placement (self.replaces)
         engine = create_engine(self.cfg, self.placement, index)
         health = wait(engine.health.remote(), startup_timeout_s(self.cfg),
                       f"replacement engine {index} to load {self.cfg.model.path}")

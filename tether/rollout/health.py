@@ -53,7 +53,7 @@ def describe(sample: Sample) -> str:
 
 
 def group_rewards(samples: list[Sample], group_size: int) -> list[list[float]]:
-    return [[float(s.reward) for s in samples[k : k + group_size]] for k in range(0, len(samples), group_size)]
+    return [[s.scored_reward() for s in samples[k : k + group_size]] for k in range(0, len(samples), group_size)]
 
 
 def neg_logprob_mean(samples: list[Sample]) -> float:
@@ -90,7 +90,7 @@ class RolloutHealth:
         flat = [g[0] for g in groups if len(set(g)) == 1]
         zero_std = len(flat) / len(groups)
         # Groups that all fail are a run that cannot learn; groups that all succeed are a solved task.
-        low, high = min(float(s.reward) for s in samples), max(float(s.reward) for s in samples)
+        low, high = min(s.scored_reward() for s in samples), max(s.scored_reward() for s in samples)
         failing = sum(v < (low + high) / 2 for v in flat) / len(groups) if high > low else zero_std
         truncated = sum(s.finish_reason == "length" for s in samples) / len(samples)
         entropy = neg_logprob_mean(samples)
@@ -99,7 +99,7 @@ class RolloutHealth:
         self._zero_std_streak = self._zero_std_streak + 1 if failing >= self.limits.zero_std_frac else 0
         first = self._rollouts_seen == 0
         self._rollouts_seen += 1
-        rewards = {float(s.reward) for s in samples}
+        rewards = {s.scored_reward() for s in samples}
         # Every sample at the best reward seen so far is a solved batch, not a broken signal.
         solved = not first and self._best_reward is not None and min(rewards) >= self._best_reward
         self._best_reward = max(rewards | ({self._best_reward} if self._best_reward is not None else set()))
@@ -116,7 +116,7 @@ class RolloutHealth:
                                 "better than another, so this rollout teaches nothing\n" + describe(samples[0]))
         streak = self.limits.zero_std_rollouts
         if self._onset("zero_std", self._zero_std_streak >= streak) and len(rewards) > 1:
-            mean = statistics.fmean(float(s.reward) for s in samples)
+            mean = statistics.fmean(s.scored_reward() for s in samples)
             warnings.append(f"{failing:.0%} of groups failed every sample in each of the last {streak} rollouts "
                             f"(mean reward now {mean:.3f}): all-equal rewards give GRPO no gradient, so the model "
                             "does not learn on those prompts. More SFT, a higher temperature, more samples per "
@@ -135,7 +135,7 @@ class RolloutHealth:
         every sample alike (a reward that does not fit its answers), when its score falls well below
         its best, or when the answers collapse onto one."""
         warnings = self._regression(name, score, step)
-        rewards = {float(s.reward) for s in samples}
+        rewards = {s.scored_reward() for s in samples}
         if name not in self._first_share and len(rewards) == 1 and len(samples) > 1:
             warnings.append(f"eval {name!r} scored {score} on every one of its {len(samples)} samples at its first "
                             f"eval, with the reward {reward_spec!r}: check that this reward reads the set's "

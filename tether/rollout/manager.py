@@ -67,7 +67,7 @@ class RolloutManager:
         positions = model_positions(self.cfg.model.path)
         # Without prompt data the manager only evaluates (`tether eval`, the eval at the end of `tether sft`).
         self.data: DataSource | None = None
-        self.filtered, self.skipped_rows = 0, []
+        self.filtered, self.skipped_rows = 0, list[str]()
         if d.path is not None or d.reasoning_gym is not None:  # the latter raises: check_inputs writes its files
             rows, self.filtered, self.skipped_rows = load_train_rows(self.cfg, self.tokenizer, positions)
             self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
@@ -80,8 +80,8 @@ class RolloutManager:
         eval_loaded = load_eval_rows(self.cfg, self.tokenizer, positions)
         self.skipped_rows += [line for loaded in eval_loaded for line in loaded.skipped]
         eval_rows = [(e, loaded.rows) for e, loaded in zip(self.cfg.eval.datasets, eval_loaded)]
-        row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path) if self.data is not None else []
-        row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path)]
+        row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path or "data") if self.data is not None else []
+        row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path or f"eval {e.name}")]
         self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
                        if r.custom_generate_fn or row_fns else None)
         self.fleet: EngineFleet | None = None
@@ -122,6 +122,11 @@ class RolloutManager:
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
+
+    def _require_fleet(self) -> EngineFleet:
+        if self.fleet is None:
+            raise RuntimeError("the rollout manager has no engines yet (connect_engines first)")
+        return self.fleet
 
     def _require_data(self) -> DataSource:
         if self.data is None:
@@ -223,15 +228,16 @@ class RolloutManager:
     def _call(self, ctx: RolloutContext, data_source, evaluation: bool, metric_prefix: str) -> RolloutOutput:
         """The rollout function (the config's; the built-in one when there is none, or for an eval the
         config's does not take)."""
-        fn, spec = self.rollout_fn, self.cfg.rollout.custom_rollout_fn
+        fn, spec = self.rollout_fn, self.cfg.rollout.custom_rollout_fn or "built-in"
         if fn is None or (evaluation and not takes_evaluation(fn)):
             fn, spec = builtin_rollout, "built-in"
-        before, reissued = self.fleet.prefill_counters(), self.fleet.reissued_samples
+        fleet = self._require_fleet()
+        before, reissued = fleet.prefill_counters(), fleet.reissued_samples
         with self.watch.watching():
             out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, user_fn=fn is not builtin_rollout))
-        out.metrics.update(prefix_cache_metrics(before, self.fleet.prefill_counters(), metric_prefix))
+        out.metrics.update(prefix_cache_metrics(before, fleet.prefill_counters(), metric_prefix))
         if not evaluation:
-            out.metrics["faults/samples_reissued"] = float(self.fleet.reissued_samples - reissued)
+            out.metrics["faults/samples_reissued"] = float(fleet.reissued_samples - reissued)
         return out
 
     def _group_size(self, groups: list[list[Sample]]) -> int:
@@ -248,7 +254,7 @@ class RolloutManager:
         metrics: dict = {"warnings": []}
         start = time.perf_counter()
         for k, eval_set in enumerate(self.eval_sets):
-            name = eval_set.cfg.name
+            name = eval_set.name
             ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
                                 eval_set.scorer.score_group, f"eval {name} at rollout {rollout_id}")
             out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
@@ -309,13 +315,13 @@ class RolloutManager:
             raise ConfigError(f"{ckpt_dir}: {err}") from None
 
     def release_memory(self, tags: list[str]) -> None:
-        self.fleet.release_memory(tags)
+        self._require_fleet().release_memory(tags)
 
     def resume_memory(self, tags: list[str]) -> None:
-        self.fleet.resume_memory(tags)
+        self._require_fleet().resume_memory(tags)
 
     def engine_health(self) -> dict[str, bool]:
-        return self.fleet.health()
+        return self._require_fleet().health()
 
     # ------------------------------------------------------------ lost engines (while a rollout runs)
     @ray.method(concurrency_group=FAULTS)
@@ -325,4 +331,4 @@ class RolloutManager:
 
     @ray.method(concurrency_group=FAULTS)
     def replace_engine(self, lost_url: str, new_url: str) -> None:
-        self.fleet.replace(lost_url, new_url)
+        self._require_fleet().replace(lost_url, new_url)

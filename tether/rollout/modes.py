@@ -58,14 +58,15 @@ class StreamMode:
     def take(self, rollout_id: int) -> tuple[list[Flight], dict[str, float], list[Flight]]:
         """The next rollout's groups (numbered as placed in the trained batch), their metrics, and the
         stale groups dropped since the last take (for the record)."""
-        flights, metrics = self.require().take(rollout_id)
+        stream = self.require()
+        flights, metrics = stream.take(rollout_id)
         groups = [f.samples for f in flights]
         for k, group in enumerate(groups):  # a group's index is its place in the trained batch
             for s in group:
                 s.group_index, s.rollout_id = k, rollout_id
         metrics.update(staleness_metrics(groups, rollout_id))
-        dropped = list(self.stream.dropped)
-        self.stream.dropped.clear()
+        dropped = list(stream.dropped)
+        stream.dropped.clear()
         return flights, metrics, dropped
 
     def state_dict(self) -> dict | None:

@@ -72,14 +72,15 @@ def get_prompt(obj: dict, where: str, prompt_key: str, apply_chat_template: bool
 def fill_template(fmt: PromptFormat, prompt: str | list[dict], obj: dict, where: str,
                   prompt_key: str) -> str | list[dict]:
     """The prompt with data.prompt_template applied (to the last user message of a conversation)."""
-    if fmt.template is None:
+    template = fmt.template
+    if template is None:
         return prompt
 
     def fill(text: str) -> str:
         try:
-            return fmt.template.format_map({**obj, "prompt": text})
+            return template.format_map({**obj, "prompt": text})
         except KeyError as err:
-            raise DatasetError(f"{where}: data.prompt_template {fmt.template!r} names field {err}, which this "
+            raise DatasetError(f"{where}: data.prompt_template {template!r} names field {err}, which this "
                                f"row does not have; keys present: {sorted(obj)}") from None
 
     if isinstance(prompt, str):

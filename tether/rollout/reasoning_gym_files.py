@@ -50,6 +50,7 @@ def materialise(cfg: TetherConfig) -> None:
 def _eval_sets(cfg: TetherConfig, index: int, held_out: frozenset[str]) -> list[EvalDatasetConfig]:
     """The file-backed eval sets that eval.datasets[index] becomes (one, or one per task)."""
     d, rg = cfg.eval.datasets[index], cfg.data.reasoning_gym
+    assert d.reasoning_gym is not None  # the caller passes only the generated sets
     sets = []
     for name, problems in _split(d, rg, generate(eval_mix(d.reasoning_gym, rg, index), held_out)):
         path = write_rows(Path(cfg.output_dir) / "data", f"eval_{name}", rows(problems, cfg.data))
@@ -65,7 +66,11 @@ def data_mix(rg: ReasoningGymData) -> TaskMix:
 
 def eval_mix(e: ReasoningGymEval, data: ReasoningGymData | None, index: int) -> TaskMix:
     """An eval set's mix: its own fields over the data section's (tasks, each task's settings and weight)."""
-    tasks = e.tasks if e.tasks is not None else data.tasks  # config.py refuses neither being set
+    if e.tasks is not None:
+        tasks = e.tasks
+    else:
+        assert data is not None  # config.py refuses neither being set
+        tasks = data.tasks
     base_seed = data.seed if data is not None else 0
     seed = e.seed if e.seed is not None else base_seed + 1 + index
     settings = {**(data.settings if data else {}), **e.settings}
@@ -77,9 +82,15 @@ def _split(d: EvalDatasetConfig, data: ReasoningGymData | None,
            problems: list[Problem]) -> list[tuple[str, list[Problem]]]:
     """(name, problems) of each set ``d`` becomes: itself, or with per_task one per task, in task order."""
     rg = d.reasoning_gym
+    assert rg is not None  # only a generated set is split
     if not rg.per_task:
+        assert d.name is not None  # config.py requires it unless per_task
         return [(d.name, problems)]
-    tasks = rg.tasks if rg.tasks is not None else data.tasks
+    if rg.tasks is not None:
+        tasks = rg.tasks
+    else:
+        assert data is not None  # config.py refuses neither being set
+        tasks = data.tasks
     return [(name, [p for p in problems if p.task == task]) for name, task in zip(rg.set_names(d.name, data), tasks)]
 
 

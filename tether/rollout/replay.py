@@ -34,8 +34,8 @@ class ReplayRollout:
             self.count += 1
         if self.count == 0:
             raise ConfigError(f"debug.load_rollouts: {self.dir} holds no rollout_000000.jsonl")
-        self.info = {"train_rows": 0, "warnings": [f"training on the {self.count} rollout(s) saved in {self.dir}; "
-                                                   "no engines, no eval"]}
+        self.info: dict[str, Any] = {"train_rows": 0, "warnings": [
+            f"training on the {self.count} rollout(s) saved in {self.dir}; no engines, no eval"]}
 
     def num_rollout_per_epoch(self) -> int:
         return self.count

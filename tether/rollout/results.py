@@ -10,7 +10,7 @@ from tether.trainer.batch import TrainBatch
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = [float(s.reward) for s in samples]
+    rewards = [s.scored_reward() for s in samples]
     lengths = [s.response_length for s in samples]
     metrics = {
         "rollout/reward_mean": statistics.fmean(rewards),
@@ -42,7 +42,7 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         prompt_lengths=[len(s.prompt_ids) for s in samples],
         response_lengths=[s.response_length for s in samples],
         group_size=group_size,
-        rewards=[float(s.reward) for s in samples],
+        rewards=[s.scored_reward() for s in samples],
         rollout_logprobs=[list(s.response_logprobs) for s in samples],
         temperature=temperature,
         sample_ids=[(s.prompt_index, s.sample_index) for s in samples],

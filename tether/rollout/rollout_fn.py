@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 import httpx
 
@@ -153,7 +153,7 @@ class RolloutContext:
         """The configured reward (with overlong shaping in training; the eval set's reward in an eval)."""
         await self._score(group)
 
-    def run(self, awaitable: Awaitable) -> Any:
+    def run(self, awaitable: Coroutine[Any, Any, Any]) -> Any:
         """From a sync rollout function (which runs in a worker thread): wait for one of ctx's coroutines."""
         if self.loop is None:
             raise RuntimeError("ctx.run is for sync rollout functions, while the rollout runs")

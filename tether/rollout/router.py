@@ -231,7 +231,7 @@ class Router:
     def query(self, path: str, missing_ok: bool = False) -> list[dict]:
         """GET from every worker (load and cache counters); ``missing_ok``: a worker answering 404 (a
         backend without the endpoint) gives {}."""
-        out = []
+        out: list[dict] = []
         for worker in self.serving:
             try:
                 reply = self._client.get(f"{worker.url}{path}", timeout=self.timeout_s)

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Coroutine, Literal
 
 import httpx
 
@@ -131,17 +131,19 @@ class RolloutStream:
         self.totals: Counter = Counter()
         self.dropped: list[Flight] = []  # stale groups dropped since the last take
         self.error: BaseException | None = None
-        self.busy_s, self._busy_from = 0.0, None  # engines generating stream groups, unpaused
+        self.busy_s = 0.0  # engines generating stream groups, unpaused
+        self._busy_from: float | None = None
         self.tag = uuid.uuid4().hex[:8]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-stream", daemon=True)
         self.thread.start()
-        self.client: httpx.AsyncClient | None = None
-        self.changed: asyncio.Event | None = None
+        # Made on the loop, by _setup, before this returns.
+        self.client: httpx.AsyncClient
+        self.changed: asyncio.Event
         self._on_loop(self._setup)
 
     # ------------------------------------------------------------ called from the manager's thread
-    def _on_loop(self, fn: Callable[..., Awaitable[Any]], *args: Any, timeout: float | None = None) -> Any:
+    def _on_loop(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(fn(*args), self.loop).result(timeout)
 
     def start(self, version: int, next_take: int) -> None:

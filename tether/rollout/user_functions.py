@@ -4,6 +4,7 @@ anything starts, so that a bad spec fails naming its config field (or its data f
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig
@@ -48,7 +49,7 @@ def check_user_functions(cfg: TetherConfig) -> None:
     checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
               lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg)),
               lambda: cfg.rollout.custom_rollout_fn and load_rollout_fn(cfg.rollout.custom_rollout_fn)]
-    checks += [lambda e=e, i=i: make_scorer(cfg, e.reward, f"eval.datasets[{i}].reward")
+    checks += [functools.partial(make_scorer, cfg, e.reward, f"eval.datasets[{i}].reward")
                for i, e in enumerate(cfg.eval.datasets) if e.reward]
     for load in checks:
         try:

@@ -26,7 +26,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -163,7 +163,8 @@ def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[P
 def rng_state() -> dict[str, torch.Tensor]:
     """Python, numpy and torch RNG states as tensors (no pickle in a checkpoint; safe_load.py)."""
     version, mt, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    # The global generator is MT19937, whose state is the legacy tuple (numpy types it as either form).
+    _, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     return {"python_mt": torch.tensor(mt, dtype=torch.int64),
             "python_gauss": torch.tensor([version, float("nan") if gauss is None else gauss], dtype=torch.float64),
             "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
@@ -265,8 +266,8 @@ def load_trainer(path: Path, model, optimizer, scheduler, rank: int, saved_world
                 for stream in [s for s in streams if f"{name}.{key}.{s}" not in saved]:
                     del streams[stream]
     dcp.load(request, storage_reader=reader, planner=SafeLoadPlanner())
-    for name, part in parts.items():
-        part.load_state_dict(request[name])
+    for name, state in parts.items():
+        state.load_state_dict(request[name])
 
 
 class Checkpointer:

@@ -20,7 +20,7 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     prompt sources are resolved, before anything reads them.
     """
     materialise(cfg)
-    needed = {"model.path": cfg.model.path}
+    needed: dict[str, str | None] = {"model.path": cfg.model.path}
     if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
         needed["data.path"] = cfg.data.path
     if command == "train" and cfg.debug.load_rollouts is not None:

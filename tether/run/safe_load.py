@@ -51,9 +51,10 @@ class SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(f, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None)  # may be missing, or None
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
 
 

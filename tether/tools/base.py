@@ -43,6 +43,8 @@ class Tool(ABC):
         except Exception as err:  # noqa: BLE001 - the model is told; the rollout goes on
             return ToolResult(f"error: {type(err).__name__}: {err}", ok=False)
 
+    # (*args, **arguments): each tool names its own keyword parameters (the schema's properties); typed
+    # so, a subclass may declare them.
     @abstractmethod
-    async def run(self, **arguments: Any) -> ToolResult:
+    async def run(self, *args: Any, **arguments: Any) -> ToolResult:
         ...

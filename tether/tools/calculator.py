@@ -5,12 +5,14 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from typing import Callable
 
 from tether.tools.base import Tool, ToolResult
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[int | float], int | float]] = {ast.UAdd: operator.pos,
+                                                                          ast.USub: operator.neg}
 MAX_EXPONENT = 64  # 9**9**9 would take the process down; a calculator need not go there
 MAX_DIGITS = 100
 
@@ -38,7 +40,8 @@ def evaluate(expression: str) -> int | float:
 
 
 def _value(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    # bool is an int to isinstance, not a number here (parsing makes no other int or float subclass).
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))

@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 from tether.tools.base import Tool, ToolResult
 
@@ -190,7 +191,7 @@ class PythonSandbox(Tool):
         try:
             if user is not None:
                 os.chown(workdir, user, user)
-            ids = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+            ids: dict[str, Any] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
                 *self._command(self.max_processes if user else -1), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=_environment(workdir),
@@ -213,15 +214,17 @@ class PythonSandbox(Tool):
         """Send the program, read its output within the caps and the deadline, and say how it ended."""
         out, err = _Capture(self.max_output_bytes, tail=False), _Capture(self.max_output_bytes, tail=True)
         flooded = timed_out = False
+        stdin, stdout, stderr = proc.stdin, proc.stdout, proc.stderr
+        assert stdin is not None and stdout is not None and stderr is not None  # run() made all three pipes
 
         async def send() -> None:
             try:
-                proc.stdin.write(code.encode("utf-8", "replace"))
-                await proc.stdin.drain()
+                stdin.write(code.encode("utf-8", "replace"))
+                await stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died before reading everything: its exit status says why
             finally:
-                proc.stdin.close()
+                stdin.close()
 
         async def pump(stream: asyncio.StreamReader, capture: _Capture) -> None:
             nonlocal flooded
@@ -232,7 +235,7 @@ class PythonSandbox(Tool):
                     _kill_group(proc.pid)  # then read on to EOF, which comes as soon as it is dead
 
         # Tasks awaited by hand rather than wait_for(gather(...)): a cancelled gather logs its exception.
-        tasks = [asyncio.ensure_future(job) for job in (send(), pump(proc.stdout, out), pump(proc.stderr, err))]
+        tasks = [asyncio.ensure_future(job) for job in (send(), pump(stdout, out), pump(stderr, err))]
         exited = asyncio.ensure_future(proc.wait())
         try:
             done, pending = await asyncio.wait([*tasks, exited], timeout=self.timeout_s,
@@ -248,6 +251,7 @@ class PythonSandbox(Tool):
                 task.cancel()
             await asyncio.gather(*tasks, exited, return_exceptions=True)
         text = _compose(out, err, self.max_output_bytes, flooded or timed_out)
+        assert proc.returncode is not None  # it exited (waited for above, after the kill when it timed out)
         note = self._ending(proc.returncode, timed_out, flooded, bool(err.seen))
         if note and text and not text.endswith("\n"):
             text += "\n"

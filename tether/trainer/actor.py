@@ -13,11 +13,12 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tether.algorithms.advantages import NEEDS_VALUES, AdvantageParams
@@ -36,6 +37,9 @@ from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
 from tether.weight_sync.group import tcp_store
 from tether.weight_sync.object_store import ObjectStoreSender
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
@@ -69,7 +73,7 @@ class TrainActor:
         self.engines: list[Any] = []  # weight-sync targets: engine actors, and their servers' URLs
         self.engine_urls: list[str] = []
         self.policy_version = 0  # the version of the weights as they are now (pushed or about to be)
-        self.ref_model = None
+        self.ref_model: PreTrainedModel | None = None
         self.critic: Critic | None = None
         self.guard = NonFiniteGuard(self.cfg.train.skip_nonfinite_steps)  # counts bad steps across calls
 
@@ -239,7 +243,7 @@ class TrainActor:
         self._move(self.device)
 
     def _move(self, device: str) -> None:
-        parts = [(self.model, self.optimizer)]
+        parts: list[tuple[nn.Module, torch.optim.Optimizer]] = [(self.model, self.optimizer)]
         if self.critic is not None:
             parts.append((self.critic.model, self.critic.optimizer))
         for model, optimizer in parts:

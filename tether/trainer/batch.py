@@ -160,7 +160,8 @@ def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroB
     for i in sorted(indices, key=lambda i: (-len(batch.tokens[i]), i)):
         row = next((r for r, used in enumerate(fill) if used + len(batch.tokens[i]) <= width), None)
         if row is None:
-            row, _ = len(fill), fill.append(0)
+            row = len(fill)
+            fill.append(0)
         row_of[i] = row
         fill[row] += len(batch.tokens[i])
     input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)

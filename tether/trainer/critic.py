@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.losses import value_loss
@@ -26,7 +26,7 @@ from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.step import RLInputs, StepSettings, grad_norm, micro_batches, place
 
 
-def load_value_model(path: str, dtype: str, device: str = "cpu") -> nn.Module:
+def load_value_model(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # values are regression targets: no dropout noise
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=DTYPES[dtype],
@@ -69,9 +69,12 @@ class Critic:
                  inputs: RLInputs, world: int) -> dict[str, float]:
         """Accumulate the clipped value loss (token mean over the global batch) on this rank."""
         old_values, returns = inputs.values, inputs.returns
+        # This objective gave the values, so the estimator (GAE) gave returns with them.
+        assert old_values is not None and returns is not None
         self.model.train()
         metrics: dict[str, float] = {}
         for mb in micro_batches(batch, mine, s):
+            assert mb.seq_index is not None  # collate and collate_packed set it
             weights = aggregation_weights("token_mean", mb.response_mask, mb.seq_index, counts)
             loss, parts = value_loss(self.forward(mb), place(mb, batch, old_values), place(mb, batch, returns),
                                      mb.response_mask, weights, self.value_clip)

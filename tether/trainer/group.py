@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -59,7 +60,7 @@ class TrainerGroup:
     def score(self, batch: Any) -> list[list[float]]:
         return self.group.call("score", batch, what="score")[0]
 
-    def connect_engines(self, engines: list[Any], external_urls: list[str] = ()) -> None:
+    def connect_engines(self, engines: list[Any], external_urls: Sequence[str] = ()) -> None:
         """Engine actors (their servers' URLs are asked) and servers already running elsewhere."""
         urls = wait([e.url.remote() for e in engines], self.group.timeout_s, "engine server addresses")
         self.group.call("connect_engines", engines, urls + list(external_urls), what="connect engines")

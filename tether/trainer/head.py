@@ -21,25 +21,27 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
-from torch import nn
 
 from tether.algorithms.logprobs import head_logprobs, logprobs_and_entropy
 from tether.trainer.batch import MicroBatch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _CHECKED = "_tether_chunked_head_ok"
 
 
-def chunk_tokens(model: nn.Module, chunk_mb: float) -> int:
+def chunk_tokens(model: PreTrainedModel, chunk_mb: float) -> int:
     """Positions per chunk so that one chunk's float32 logits take about ``chunk_mb`` MB."""
     vocab = model.get_output_embeddings().weight.shape[0]
     return max(1, int(chunk_mb * 2**20 // (4 * vocab)))
 
 
 @contextmanager
-def _head_transforms_off(model: nn.Module) -> Iterator[tuple[float | None, float]]:
+def _head_transforms_off(model: PreTrainedModel) -> Iterator[tuple[float | None, float]]:
     """Switch off the model's own post-head logit transforms for one forward; yields (softcap, scale)
     for the chunk to apply instead."""
     config = model.config
@@ -53,7 +55,9 @@ def _head_transforms_off(model: nn.Module) -> Iterator[tuple[float | None, float
         if scaling:
             config.logits_scaling = 1.0
         if logit_scale is not None:
-            model.logit_scale = 1.0
+            # Cohere's logit_scale is a plain float; nn.Module types attributes it does not declare as
+            # parameters or submodules.
+            model.logit_scale = 1.0  # type: ignore[assignment]
         yield softcap, scale
     finally:
         if softcap is not None:
@@ -69,7 +73,7 @@ def _model_inputs(mb: MicroBatch) -> dict:
                 use_cache=False)
 
 
-def chunked_forward(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str,
+def chunked_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy: str,
                     tokens_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, L-1] log-probs (and entropies) at the micro-batch's scored positions (0 elsewhere)."""
     head = model.get_output_embeddings()
@@ -94,14 +98,14 @@ def chunked_forward(model: nn.Module, mb: MicroBatch, temperature: float, entrop
     return out[..., 0], ent
 
 
-def plain_forward(model: nn.Module, mb: MicroBatch, temperature: float,
+def plain_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float,
                   entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole [B, L, V] logits at once (the reference the chunked path is checked against)."""
     return logprobs_and_entropy(model(**_model_inputs(mb)).logits[:, :-1], mb.targets, temperature, entropy)
 
 
 @torch.no_grad()
-def chunked_head_agrees(model: nn.Module) -> bool:
+def chunked_head_agrees(model: PreTrainedModel) -> bool:
     """Whether the chunked head gives the plain path's log-probs on a short input, checked once per model.
     Under FSDP the forwards gather parameters: every rank runs this at the same point (its first
     forward_logprobs), on the same input, and reaches the same answer."""

@@ -7,17 +7,19 @@ The model has no distributed code; ``apply_fsdp`` shards each decoder layer and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.config import TetherConfig
 from tether.models.hf import DTYPES
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -29,7 +31,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_fsdp(model: M, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> M:
     """Shard parameters over the mesh: one FSDP unit per decoder layer, one for the rest.
 
     With ``compute_dtype`` each unit's gathered parameters are cast to it for forward and backward,
@@ -44,8 +46,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | 
     return model
 
 
-def prepare_for_training(model: nn.Module, cfg: TetherConfig, mesh: DeviceMesh, device: str,
-                         backward: bool = True) -> nn.Module:
+def prepare_for_training(model: PreTrainedModel, cfg: TetherConfig, mesh: DeviceMesh, device: str,
+                         backward: bool = True) -> PreTrainedModel:
     """The model as the trainer runs it: checkpointed activations, the attention kernel for its
     dtype, FSDP2 with train.compute_dtype. ``backward=False`` for frozen models (the reference)."""
     dtype = compute_dtype(cfg)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from tether.trainer import mismatch
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 from tether.trainer.nonfinite import NonFiniteGuard, check_weights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -72,7 +75,7 @@ def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[M
     return [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entropy: str = "none",
+def forward_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy: str = "none",
                      chunk_mb: float = 256.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-probs of the next token ([B, L-1]) and the entropy there.
 
@@ -86,7 +89,8 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, entro
 
 
 @torch.no_grad()
-def response_logprobs(model: nn.Module, batch: TrainBatch, steps: list[list[int]], s: StepSettings) -> dict[int, torch.Tensor]:
+def response_logprobs(model: PreTrainedModel, batch: TrainBatch, steps: list[list[int]],
+                      s: StepSettings) -> dict[int, torch.Tensor]:
     """Log-probs of each sample's response tokens under ``model`` (no grad): {sample index: [R]}.
 
     steps: this rank's samples per optimizer step, batched exactly as the training passes are.
@@ -125,7 +129,7 @@ def padded(per_sample: dict[int, torch.Tensor], lengths: list[int]) -> torch.Ten
     return out
 
 
-def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.Tensor],
+def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.Tensor] | None,
                        ref: dict[int, torch.Tensor] | None, values: dict[int, torch.Tensor] | None = None):
     """Per-token advantages {sample: [R]} of the whole batch (identical on every rank), the value
     targets {sample: [R]} when there is a critic (else None), and metrics.
@@ -133,20 +137,23 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
     The estimators see only the trained tokens of each response, left-aligned (a tool's output in
     the middle of a response is skipped, so returns flow from one policy token to the next and the
     outcome reward sits on the last policy token); the results go back to their positions, 0 on
-    masked tokens."""
+    masked tokens. ``old`` and ``ref`` are needed (not None) with a KL penalty in the reward."""
     keep = [torch.tensor(batch.loss_mask(i), dtype=torch.bool) for i in range(len(batch))]
     lengths = [int(k.sum()) for k in keep]
     mask = padded({i: torch.ones(r) for i, r in enumerate(lengths)}, lengths)
     kl = None
     if s.advantage_params.kl_coef > 0:
         # KL(policy || reference) of the rollout tokens, per token, for the penalty in the reward.
+        # prepare_rl_inputs runs the old pass for it, and the config's needs_ref_model the reference.
+        assert old is not None and ref is not None
         old_all, ref_all = gather_per_sample(old), gather_per_sample(ref)
         kl = padded({i: kl_estimate(old_all[i][keep[i]], ref_all[i][keep[i]], s.kl_in_reward_type)
                      for i in old_all}, lengths)
+    value_rows = None
     if values is not None:
-        values = padded({i: v[keep[i]] for i, v in gather_per_sample(values).items()}, lengths)
+        value_rows = padded({i: v[keep[i]] for i, v in gather_per_sample(values).items()}, lengths)
     inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl,
-                             values=values)
+                             values=value_rows)
     result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
 
     def spread(rows: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -162,13 +169,17 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
 def token_abs_diffs(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> torch.Tensor:
     """|trainer - engine| log-prob of every trained response token of this rank's samples, flat."""
     parts = [torch.zeros(0)]
+    engine = batch.rollout_logprobs
     for i in indices:
         if batch.response_lengths[i] == 0:
             continue
+        if engine is None:
+            raise ValueError(f"the batch has no rollout_logprobs (sample {i} has a response): the trainer's "
+                             "log-probs are compared with the engine's")
         keep = torch.tensor(batch.loss_mask(i), dtype=torch.bool)
         # On the CPU: the engine's log-probs live there, and the histogram is built there.
         trainer = old[i].detach().float().cpu()
-        parts.append((trainer - torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32))[keep].abs())
+        parts.append((trainer - torch.tensor(engine[i], dtype=torch.float32))[keep].abs())
     return torch.cat(parts)
 
 
@@ -210,6 +221,7 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
     # Entropy is logged even when it is not optimised: its collapse is the first thing to look at.
     entropy_mode = "grad" if s.loss_params.entropy_coef > 0 else "metric"
     for mb in micro_batches(batch, mine, s):
+        assert mb.seq_index is not None  # collate and collate_packed set it
         logprobs, entropy = forward_logprobs(model, mb, batch.temperature, entropy_mode, s.logits_chunk_mb)
         if seen is not None:
             for (row, start), i in zip(mb.spans, mb.indices):
@@ -279,10 +291,10 @@ class Objective(Protocol):
 class TrainState:
     """What one train call works on: the policy and its optimizer, and what trains or scores beside it."""
 
-    model: nn.Module
+    model: PreTrainedModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref_model: nn.Module | None = None
+    ref_model: PreTrainedModel | None = None
     """The frozen reference policy (KL), when the config asks for one."""
     objectives: list[Objective] = field(default_factory=list)
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
@@ -343,7 +355,7 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     assigned = [assign_ranks(batch, idx, s, rank, world) for idx in global_steps]
     phases: dict[str, float] = {}  # where this rank's time went: old/ref passes, forward/backward, optimizer
     rl = prepare_rl_inputs(state, batch, s, assigned, phases) if batch.rewards is not None else None
-    out: dict[str, float] = dict(rl.metrics) if rl is not None else {}
+    out: dict[str, Any] = dict(rl.metrics) if rl is not None else {}  # floats, and "warnings" (a list)
     summed: dict[str, float] = {}
     warnings: list[str] = []
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
@@ -351,10 +363,13 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
         counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
         with timed(phases, "forward_backward"):
-            parts = run_global_step(state.model, batch, mine, counts, s, rl and rl.advantages, rl and rl.old,
-                                    rl and rl.ref, world, rl and rl.seen)
+            parts = run_global_step(state.model, batch, mine, counts, s, rl.advantages if rl else None,
+                                    rl.old if rl else None, rl.ref if rl else None, world, rl.seen if rl else None)
         if rl is not None and k == 0:  # the trainer's log-probs before any update, against the engine's
-            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], rl.old if rl.old is not None else rl.seen))
+            # Without a separate old pass, step 0's forward has just filled ``seen`` (prepare_rl_inputs).
+            old = rl.old if rl.old is not None else rl.seen
+            assert old is not None
+            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], old))
         if rl is not None:
             for objective in state.objectives:
                 with timed(phases, "critic"):
@@ -381,8 +396,9 @@ def _optimizer_step(state: TrainState, batch: TrainBatch, rl: RLInputs | None, m
     reduced = dict(zip(keys, all_reduce_sum([parts[key] for key in keys])))
     with timed(phases, "optimizer"):  # grad norm and clipping (a collective), the checks, the step
         norm = grad_norm(state.model, s.grad_clip)
-        inputs = {"advantages": _cat(rl and rl.advantages, mine), "old log-probs": _cat(rl and rl.old, mine),
-                  "ref log-probs": _cat(rl and rl.ref, mine)}
+        inputs = {"advantages": _cat(rl.advantages if rl else None, mine),
+                  "old log-probs": _cat(rl.old if rl else None, mine),
+                  "ref log-probs": _cat(rl.ref if rl else None, mine)}
         skipped = state.guard.check(where, reduced, norm, state.model, inputs)
         reduced["lr"] = state.optimizer.param_groups[0]["lr"]  # the rate this step uses
         reduced["grad_norm"] = norm
@@ -399,7 +415,7 @@ def _optimizer_step(state: TrainState, batch: TrainBatch, rl: RLInputs | None, m
 
 
 def train_on_batch(model, optimizer, scheduler, batch: TrainBatch, s: StepSettings, rank: int, world: int,
-                   ref_model: nn.Module | None = None, critic: Objective | None = None,
+                   ref_model: PreTrainedModel | None = None, critic: Objective | None = None,
                    guard: NonFiniteGuard | None = None, what: str = "train") -> dict:
     """``train_steps`` on a state made of these parts (the critic, when given, as its one objective)."""
     state = TrainState(model, optimizer, scheduler, ref_model, [critic] if critic is not None else [],

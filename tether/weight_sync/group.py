@@ -19,7 +19,7 @@ import itertools
 import socket
 import threading
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -49,7 +49,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     timeout = timedelta(seconds=timeout_s)
     store = PrefixStore(group_name, tcp_store(master_address, master_port, world_size, rank == 0, timeout))
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout)
+                                              group_name=cast("c10d.GroupName", group_name), timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group ranks are global ranks
     return group
 

@@ -123,6 +123,7 @@ class SegmentReader:
             self.close()
             self.shm, self.name = _attach(bucket.segment), bucket.segment
             self.memory = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        assert self.memory is not None  # attached above, or for an earlier bucket of this segment
         out = {}
         for name, dtype, shape, offset in bucket.entries:
             size = torch.Size(shape).numel() * dtype.itemsize
@@ -139,7 +140,8 @@ class SegmentReader:
 
 def _attach(name: str) -> SharedMemory:
     try:
-        return SharedMemory(name=name, track=False)  # Python >= 3.13
+        # track= is Python >= 3.13 (type-checked as 3.10); older ones raise TypeError, handled below.
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
     except TypeError:
         shm = SharedMemory(name=name)
         # Before 3.13 attaching registers the segment for removal when this process exits; it is
