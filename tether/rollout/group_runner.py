@@ -91,9 +91,8 @@ class GroupRunner:
                     reason = err.reason
                 else:
                     raise
-                if url is None:  # lost before the lease began (Router.bound refused it): no URL to mark
-                    raise
-                router.mark_lost(url, reason)
+                if url is not None:  # else lost before the lease began (Router.bound refused it): marked already
+                    router.mark_lost(url, reason)
                 samples[:] = before
                 self.fleet.reissued_samples += len(samples)
 
