@@ -139,3 +139,68 @@ def test_estimator_argument_errors():
     with pytest.raises(ValueError) as err:
         get_advantage_estimator("gae_typo")
     assert "gae_typo" in str(err.value) and "reinforce_pp" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_an_excluded_sample_moves_no_group_statistic(name):
+    # Group 0 has a removed (or failed) sample 2: whatever its reward, the others' advantages are those
+    # of a group without it, and its own is 0. (verl found removed samples inside the group mean.)
+    lengths = [3, 1, 2, 4, 2, 4, 1, 3]
+    excluded = torch.tensor([False, False, True, False] + [False] * 4)
+    outs = []
+    for reward in (0.5, -7.0, float("nan")):
+        rewards = [1.0, 0.0, reward, 2.0, -1.0, 3.0, 0.25, 0.75]
+        inp = AdvantageInputs(torch.tensor(rewards), mask_of(lengths) * (~excluded)[:, None], 4, excluded=excluded)
+        outs.append(get_advantage_estimator(name)(inp, AdvantageParams())[0].advantages)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert outs[0][2].abs().sum() == 0
+    if name != "reinforce_pp_baseline":  # outcome estimators: the same as a group of the three others
+        small = run(name, rewards=[1.0, 0.0, 2.0], lengths=[3, 1, 4], group_size=3)[0].advantages
+        assert torch.allclose(outs[0][[0, 1, 3]], small, atol=1e-6)
+        assert torch.equal(outs[0][4:], run(name, rewards=[-1.0, 3.0, 0.25, 0.75], lengths=[2, 4, 1, 3])[0].advantages)
+
+
+def test_a_group_left_with_one_counted_sample_is_constant():
+    excluded = torch.tensor([True, True, True, False])
+    inp = AdvantageInputs(torch.tensor([1.0, 0.0, 1.0, 0.0]), mask_of([0, 0, 0, 2]), 4, excluded=excluded)
+    for name in ("grpo", "rloo"):
+        adv, metrics = get_advantage_estimator(name)(inp, AdvantageParams())
+        assert adv.advantages.abs().sum() == 0 and metrics["zero_std_frac"] == 1.0
+
+
+def test_no_exclusions_give_the_same_bits_as_none():
+    rewards, lengths = torch.tensor(REWARDS), mask_of(LENGTHS)
+    for name in ("grpo", "rloo", "reinforce_pp_baseline"):
+        plain = get_advantage_estimator(name)(AdvantageInputs(rewards, lengths, 4), AdvantageParams())[0]
+        none = get_advantage_estimator(name)(AdvantageInputs(rewards, lengths, 4, excluded=torch.zeros(8, dtype=torch.bool)),
+                                             AdvantageParams())[0]
+        assert torch.equal(plain.advantages, none.advantages)
+
+
+def test_zero_variance_groups_count_in_the_token_mean_normaliser():
+    # A group whose rewards are all equal gets advantage 0 on every token, and those tokens still count
+    # in token_mean's global normaliser (as in GRPO and DAPO's token-level loss): with one informative
+    # group and one constant group of the same size, the policy-gradient loss and its gradient are half
+    # of those of the informative group alone. DAPO's dynamic filter (rollout.dynamic_filter:
+    # nonzero_reward_std) keeps constant groups out of the batch instead. A batch of constant groups
+    # only gives a loss of exactly 0 and a zero (not NaN) gradient.
+    from tether.algorithms.losses import LossInputs, LossParams, ppo_clip_loss
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # group 1 is constant
+    lengths = [2, 2, 2, 2, 2, 2, 2, 2]
+    adv = get_advantage_estimator("grpo")(AdvantageInputs(rewards, mask_of(lengths, 2), 4), AdvantageParams())[0]
+    assert adv.advantages[4:].abs().sum() == 0
+
+    def loss(rows, advantages):
+        logprobs = torch.full((len(rows), 2), -1.0, requires_grad=True)
+        inp = LossInputs(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=advantages[rows],
+                         mask=mask_of([lengths[i] for i in rows], 2), num_tokens=2.0 * len(rows))
+        value, _ = ppo_clip_loss(inp, LossParams())
+        value.backward()
+        return value, logprobs.grad
+
+    both, both_grad = loss(list(range(8)), adv.advantages)
+    alone, alone_grad = loss(list(range(4)), adv.advantages)
+    assert torch.allclose(both, alone / 2) and torch.allclose(both_grad[:4], alone_grad / 2)
+    constant, constant_grad = loss(list(range(4, 8)), adv.advantages)
+    assert constant.item() == 0.0 and torch.equal(constant_grad, torch.zeros_like(constant_grad))

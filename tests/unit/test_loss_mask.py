@@ -179,3 +179,10 @@ def test_a_removed_sample_keeps_its_place_with_nothing_trained():
     samples[1].remove = True
     batch = to_train_batch(samples, 2, 1.0)
     assert len(batch) == 2 and batch.loss_masks == [[1, 1], [0, 0]] and batch.trained_tokens(1) == 0
+    # ... and out of its group's statistics: excluded, which the batch checks against its mask.
+    assert batch.excluded == [False, True] and batch.select([1]).excluded == [True]
+    batch.validate()
+    assert to_train_batch(samples[:1], 1, 1.0).excluded is None
+    batch.loss_masks = None
+    with pytest.raises(ValueError, match="sample 1 is excluded but 2 of its tokens"):
+        batch.validate()

@@ -56,6 +56,9 @@ class AdvantageInputs:
     """[N, T] per-token KL(policy || reference) of the rollout tokens; used when kl_coef > 0."""
     values: Tensor | None = None
     """[N, T] critic values V(s_t) before each response token (``gae`` only)."""
+    excluded: Tensor | None = None
+    """[N] bool: samples that count in no group statistic (a removed or failed sample: its reward is
+    not a zero). Their advantage is 0. None: none."""
 
 
 @dataclass
@@ -97,12 +100,31 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return (r if r.is_floating_point() else r.float()).view(-1, size)
 
 
-def _centred(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """(r - group mean [G, S], constant-group flags [G, 1]); constant groups are exactly 0."""
+def _centred(rewards: Tensor, group_size: int, excluded: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(r - group mean [G, S], constant-group flags [G, 1], counted samples [G, 1]) over the samples
+    that count: an excluded one moves neither its group's mean nor its spread, and its entry is 0.
+    Constant groups (one counted sample or all equal rewards) are exactly 0."""
     g = _grouped(rewards, group_size)
+    counted = _counted(g, excluded)
+    n = counted.sum(dim=1, keepdim=True)
+    big = torch.where(counted, g, torch.full_like(g, -torch.inf)).amax(dim=1, keepdim=True)
+    small = torch.where(counted, g, torch.full_like(g, torch.inf)).amin(dim=1, keepdim=True)
     # Constant groups carry no signal: detect them exactly so their advantage is 0, not rounding noise.
-    constant = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(g), g - g.mean(dim=1, keepdim=True)), constant
+    constant = (n <= 1) | (big == small)
+    mean = _group_mean(g, counted, n)
+    return torch.where(constant | ~counted, torch.zeros_like(g), g - mean), constant, n
+
+
+def _counted(grouped: Tensor, excluded: Tensor | None) -> Tensor:
+    return torch.ones_like(grouped, dtype=torch.bool) if excluded is None else ~excluded.bool().view_as(grouped)
+
+
+def _group_mean(x: Tensor, counted: Tensor, n: Tensor) -> Tensor:
+    """Each group's mean [G, 1] over its counted entries (torch's own mean when all count, so that a
+    batch without exclusions gets the same bits as ever)."""
+    if bool(counted.all()):
+        return x.mean(dim=1, keepdim=True)
+    return torch.where(counted, x, torch.zeros_like(x)).sum(dim=1, keepdim=True) / n.clamp(min=1)
 
 
 def _check(inp: AdvantageInputs) -> Tensor:
@@ -112,21 +134,23 @@ def _check(inp: AdvantageInputs) -> Tensor:
     return mask
 
 
-def _outcome(seq_adv: Tensor, mask: Tensor, constant: Tensor) -> tuple[Advantages, dict[str, float]]:
-    flat = seq_adv.reshape(-1)
+def _outcome(seq_adv: Tensor, mask: Tensor, constant: Tensor, excluded: Tensor | None) -> tuple[Advantages, dict[str, float]]:
+    every = seq_adv.reshape(-1)
+    flat = every if excluded is None else every[~excluded.bool()]
     metrics = {"adv_mean": flat.mean().item() if flat.numel() else 0.0,
                "adv_std": flat.std(unbiased=False).item() if flat.numel() else 0.0,
                "zero_std_frac": constant.float().mean().item() if constant.numel() else 0.0}
-    return Advantages(flat[:, None] * mask), metrics
+    return Advantages(every[:, None] * mask), metrics
 
 
 def grpo_advantages(inp: AdvantageInputs, p: AdvantageParams, *, normalize_std: bool = True):
     """Group-normalised outcome advantages; population std (0 for a group of one)."""
     mask = _check(inp)
-    centred, constant = _centred(inp.rewards, inp.group_size)
-    if normalize_std:
-        centred = centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + p.eps)
-    return _outcome(centred, mask, constant)
+    centred, constant, n = _centred(inp.rewards, inp.group_size, inp.excluded)
+    if normalize_std:  # population std over the counted samples
+        counted = _counted(centred, inp.excluded)
+        centred = centred / (_group_mean(centred.pow(2), counted, n).sqrt() + p.eps)
+    return _outcome(centred, mask, constant, inp.excluded)
 
 
 def dr_grpo_advantages(inp: AdvantageInputs, p: AdvantageParams):
@@ -138,8 +162,9 @@ def rloo_advantages(inp: AdvantageInputs, p: AdvantageParams):
     if inp.group_size < 2:
         raise ValueError(f"rloo needs at least 2 samples per prompt, got group_size {inp.group_size}")
     mask = _check(inp)
-    centred, constant = _centred(inp.rewards, inp.group_size)
-    return _outcome(centred * inp.group_size / (inp.group_size - 1), mask, constant)
+    centred, constant, n = _centred(inp.rewards, inp.group_size, inp.excluded)
+    # G / (G - 1) of the counted samples; a group with one counted sample is constant (0).
+    return _outcome(centred * n / (n - 1).clamp(min=1), mask, constant, inp.excluded)
 
 
 def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
@@ -192,7 +217,7 @@ def reinforce_pp_advantages(inp: AdvantageInputs, p: AdvantageParams):
 
 def reinforce_pp_baseline_advantages(inp: AdvantageInputs, p: AdvantageParams):
     """REINFORCE++-baseline: the group mean is subtracted from each sequence reward first."""
-    centred, _ = _centred(inp.rewards, inp.group_size)
+    centred, _, _ = _centred(inp.rewards, inp.group_size, inp.excluded)
     return _token_level(inp, p, centred.reshape(-1))
 
 

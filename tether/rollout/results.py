@@ -50,6 +50,7 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         # sample keeps its place (groups keep their shape) with nothing of it trained on.
         loss_masks=[[0] * s.response_length if s.remove else s.response_loss_mask() for s in samples]
         if any(s.loss_mask is not None or s.remove for s in samples) else None,
+        excluded=[s.remove for s in samples] if any(s.remove for s in samples) else None,
     )
 
 

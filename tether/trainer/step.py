@@ -152,8 +152,9 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
     value_rows = None
     if values is not None:
         value_rows = padded({i: v[keep[i]] for i, v in gather_per_sample(values).items()}, lengths)
+    excluded = None if batch.excluded is None else torch.tensor(batch.excluded, dtype=torch.bool)
     inputs = AdvantageInputs(torch.tensor(batch.rewards, dtype=torch.float32), mask, batch.group_size, kl=kl,
-                             values=value_rows)
+                             values=value_rows, excluded=excluded)
     result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
 
     def spread(rows: torch.Tensor) -> dict[int, torch.Tensor]:
