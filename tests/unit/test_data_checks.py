@@ -95,3 +95,33 @@ def test_tether_train_reports_a_bad_row_before_ray_starts(tmp_path, tiny_model_d
     assert f"{data}:9: field 'label' is a list" in err
     assert time.monotonic() - start < 20
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_verl_rows_give_their_nested_label_and_a_missing_label_key_is_named(tok, tmp_path):
+    # verl keeps the answer at reward_model.ground_truth: a dotted data.label_key reaches it.
+    rows = [{"data_source": "gsm8k", "prompt": "1+2=", "reward_model": {"style": "rule", "ground_truth": "3"}},
+            {"prompt": "2+2=", "reward_model.ground_truth": "4"}]  # a flat key with a dot is taken as it is
+    path = write(tmp_path / "verl.jsonl", rows)
+    loaded = load_prompt_rows(path, tok, label_key="reward_model.ground_truth", checks=CHECKS)
+    assert [r.label for r in loaded.rows] == ["3", "4"]
+    # A label key the config names (or a reward that compares labels) that a row lacks stops the load,
+    # naming the row, instead of scoring every sample against None.
+    required = RowChecks(label_required=True, reward="exact_match")
+    write(path, [rows[0], {"prompt": "2+2=", "reward_model": {"style": "rule"}}])
+    with pytest.raises(DatasetError, match=r"verl.jsonl:2: no field 'reward_model.ground_truth' \(data.label_key\) "
+                                           r"for reward exact_match; keys present: \['prompt', 'reward_model'\]"):
+        load_prompt_rows(path, tok, label_key="reward_model.ground_truth", checks=required)
+    assert load_prompt_rows(path, tok, label_key="reward_model.ground_truth", checks=CHECKS).rows[1].label is None
+
+
+def test_the_config_says_when_labels_are_required():
+    from tether.config import config_from_dict
+    from tether.rollout.data_checks import row_checks
+
+    def required(data: dict, reward: str) -> bool:
+        cfg = config_from_dict({"model": {"path": "m"}, "data": data, "rollout": {"reward": reward}})
+        return row_checks(cfg, reward, 8, None).label_required
+
+    assert required({}, "math") and required({}, "exact_match")
+    assert not required({}, "reward.py:score") and not required({}, "reasoning_gym")
+    assert required({"label_key": "answer"}, "reward.py:score")

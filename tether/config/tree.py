@@ -97,9 +97,11 @@ class DataConfig(Section):
     JSONL to <output_dir>/data/ (tether/rollout/reasoning_gym_files.py), which path then names. Score
     them with rollout.reward: reasoning_gym (docs/your-task.md: Tasks from reasoning-gym)."""
     prompt_key: str = "prompt"
-    """Row key of the prompt (a string, or a list of chat messages)."""
+    """Row key of the prompt (a string, or a list of chat messages); a dotted key reaches a nested field."""
     label_key: str = "label"
-    """Row key of the label the reward compares against."""
+    """Row key of the label the reward compares against; a dotted key reaches a nested field (verl's rows:
+    reward_model.ground_truth). A row without it stops the start (file and line) when this is set or the
+    reward compares labels (math, exact_match, f1); otherwise its label is None."""
     metadata_key: str = "metadata"
     """Row key of an optional dict passed to the reward."""
     apply_chat_template: bool = False

@@ -33,10 +33,17 @@ def model_positions(model_path: str) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+# The built-in rewards that compare the response with the row's label (reasoning_gym's read the metadata).
+LABEL_REWARDS = ("math", "exact_match", "f1")
+
+
 def row_checks(cfg: TetherConfig, reward: str, max_response_len: int, positions: int | None) -> RowChecks:
     builtin = reward in BUILTIN_REWARDS
+    # A label key the config names, or a reward that compares the label: a row without it would be
+    # scored against None on every sample, without a word.
+    required = "label_key" in cfg.data.model_fields_set or reward in LABEL_REWARDS
     return RowChecks(max_positions=positions, max_response_len=max_response_len,
-                     label_types=SCORABLE_LABELS if builtin else None, reward=reward,
+                     label_types=SCORABLE_LABELS if builtin else None, label_required=required, reward=reward,
                      skip_bad_rows=cfg.data.skip_bad_rows)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from tether.rollout.row_fields import MISSING, field_value
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           render_prompt)
 from tether.sample import Sample
@@ -57,7 +58,10 @@ class RowChecks:
     """The model's positions: prompt + rollout.max_response_len must fit (None: not checked)."""
     max_response_len: int = 0
     label_types: tuple[type, ...] | None = None
-    """Label types the reward can score (None: any; a user's reward decides). A missing label is allowed."""
+    """Label types the reward can score (None: any; a user's reward decides)."""
+    label_required: bool = False
+    """A row without the label key is bad (the key was named in the config, or the reward compares the
+    label); else a missing label is None."""
     reward: str = ""
     """The reward's name, for messages."""
     skip_bad_rows: bool = False
@@ -130,11 +134,16 @@ def load_prompt_rows(
             if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
                 num_filtered += 1
                 continue
-            _check_row(where, prompt_ids, obj.get(label_key), label_key, checks)
+            label = field_value(obj, label_key)
+            if label is MISSING and checks.label_required:
+                raise DatasetError(f"{where}: no field '{label_key}' (data.label_key) for reward {checks.reward}; "
+                                   f"keys present: {sorted(obj)}")
+            label = None if label is MISSING else label
+            _check_row(where, prompt_ids, label, label_key, checks)
         except DatasetError as err:
             bad(err)
             continue
-        rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt, label=obj.get(label_key),
+        rows.append(PromptRow(index=len(rows), line=line_no, prompt=prompt, label=label,
                               metadata=metadata, prompt_ids=prompt_ids, text=text))
     if num_read == 0:
         raise DatasetError(f"{path}: prompt dataset contains no rows")

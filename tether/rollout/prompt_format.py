@@ -16,6 +16,8 @@ import string
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from tether.rollout.row_fields import MISSING, field_value
+
 ROUND_TRIP_ROWS = 32  # rows of each dataset whose texts the start-up check sends through the tokenizer
 
 
@@ -52,9 +54,9 @@ def template_fields(template: str) -> list[str]:
 
 def get_prompt(obj: dict, where: str, prompt_key: str, apply_chat_template: bool) -> str | list[dict]:
     """Extract and validate the prompt field of one row."""
-    if prompt_key not in obj:
+    prompt = field_value(obj, prompt_key)
+    if prompt is MISSING:
         raise DatasetError(f"{where}: missing prompt key '{prompt_key}'; keys present: {sorted(obj)}")
-    prompt = obj[prompt_key]
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list):
