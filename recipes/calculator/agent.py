@@ -36,13 +36,12 @@ def expression_of(turn_text: str) -> str | None:
 
 
 async def generate(ctx, sample, sampling_params, evaluation=False):
-    params = {**sampling_params, "stop": [END]}
     eos = ctx.tokenizer.eos_token_id
     calls = errors = turns = 0
     while True:
-        turn = await ctx.generate_into(sample, params)
+        turn = await ctx.generate_into(sample, sampling_params, stop=[END])  # a turn ends at a call's end
         turns += 1
-        text = ctx.tokenizer.decode(turn.ids, skip_special_tokens=True)  # the stop string included
+        text = turn.text  # as the tokens spell it: the matched stop string included
         ended_call = turn.finish_reason == "stop" and turn.ids and turn.ids[-1] != eos and text.endswith(END)
         if not ended_call or calls == MAX_CALLS:
             break

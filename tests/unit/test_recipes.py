@@ -238,3 +238,17 @@ def test_the_openai_client_agent_builds_the_samples_agent_py_does(replies, budge
     assert (out.response_logprobs, out.response_text, out.status) == (direct.response_logprobs, direct.response_text,
                                                                       direct.status)
     assert out.metrics["turns_not_extending"] == 0.0
+
+
+def test_generate_into_ends_a_turn_at_a_delimiter_and_keeps_it_in_the_text():
+    # The engine cuts a matched stop string from its text; the turn a generate function sees keeps it
+    # (as its tokens do), so a parser looking for the closing delimiter finds it.
+    import asyncio
+
+    tokenizer = build_char_tokenizer(chat_template=False)
+    sample = Sample(prompt_index=0, sample_index=0, prompt="1+1=", label="2", metadata={},
+                    prompt_ids=tokenizer.encode("1+1=", add_special_tokens=False))
+    ctx = ScriptedContext(tokenizer, [("<calc>1+1</calc>", "stop")])
+    turn = asyncio.run(ctx.generate_into(sample, {"max_new_tokens": 32, "stop": "\n"}, stop=["</calc>"]))
+    assert turn.text == "<calc>1+1</calc>" == sample.response_text and turn.finish_reason == "stop"
+    assert ctx.seen[0][1]["stop"] == ["\n", "</calc>"]  # the turn's stops join the given ones

@@ -32,6 +32,7 @@ the same tokens as the default.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import traceback
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class Generation:
     weight_version: int
     version_spans: list[list[int]] | None = None
     """[[version, tokens], ...] when weights were updated in place during the call."""
+    matched_stop: str | int | None = None
+    """What ended a "stop": the stop string or stop token id matched (None: the end-of-sequence token)."""
 
     @property
     def aborted(self) -> bool:
@@ -104,23 +107,31 @@ class GenerateContext:
             raise GenerateError(f"engine {self.url} answered {reply.status_code} to /generate: {reply.text[:500]}")
         out = reply.json()
         meta = out["meta_info"]
+        finish = meta["finish_reason"]
         return Generation(list(out["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]], out["text"],
-                          meta["finish_reason"]["type"], int(meta["weight_version"]), meta.get("weight_version_spans"))
+                          finish["type"], int(meta["weight_version"]), meta.get("weight_version_spans"),
+                          finish.get("matched"))
 
-    async def generate_into(self, sample: Sample, sampling_params: dict) -> Generation:
+    async def generate_into(self, sample: Sample, sampling_params: dict, stop: Iterable[str] = ()) -> Generation:
         """Generate the next part of ``sample``'s response from its prompt and response so far and append
         it (trained on). ``sampling_params["max_new_tokens"]`` bounds the whole response: with nothing
-        left the sample is truncated without a call."""
+        left the sample is truncated without a call. ``stop``: strings that end this turn besides
+        ``sampling_params["stop"]`` (a tool call's closing delimiter, "</tool_call>"); the turn's text
+        keeps the one matched (``matched_stop``), as its tokens do."""
         left = int(sampling_params["max_new_tokens"]) - sample.response_length
         if left <= 0:  # no call: no span
             sample.finish_reason, sample.status = "length", "truncated"
             return Generation([], [], "", "length", sample.weight_versions[-1] if sample.weight_versions else -1)
-        gen = await self.generate(sample.prompt_ids + sample.response_ids, {**sampling_params, "max_new_tokens": left})
-        # The text as the tokens spell it: the engine cuts a matched stop string out of `gen.text`, but
-        # the tokens keep it, and the next turn follows it.
-        sample.add_reply(gen.ids, gen.logprobs, self.tokenizer.decode(gen.ids, skip_special_tokens=True),
-                         gen.finish_reason, gen.weight_version, gen.version_spans)
-        return gen
+        params = {**sampling_params, "max_new_tokens": left}
+        if stop:
+            given = params.get("stop") or []
+            params["stop"] = [*([given] if isinstance(given, str) else given), *stop]
+        gen = await self.generate(sample.prompt_ids + sample.response_ids, params)
+        # The text as the tokens spell it: the engine cuts a matched stop string out of its text, but
+        # the tokens keep it, the next turn follows it, and a parser looking for the delimiter finds it.
+        text = self.tokenizer.decode(gen.ids, skip_special_tokens=True)
+        sample.add_reply(gen.ids, gen.logprobs, text, gen.finish_reason, gen.weight_version, gen.version_spans)
+        return dataclasses.replace(gen, text=text)
 
     def chat_session(self, sample: Sample, sampling_params: dict, *, tools: list[dict] | None = None,
                      tool_parser="hermes", chat_template: str | None = None):
