@@ -87,7 +87,8 @@ def test_local_paths_and_refusals(tmp_path):
         resolve_model(str(gguf))
     with pytest.raises(ConfigError, match="without an HF config.json"):
         resolve_model(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"--model: ./nowhere does not exist"):
+    with pytest.raises(ConfigError, match=r"--model: ./nowhere does not exist at /\S+/nowhere, relative to the "
+                                          r"working directory"):
         resolve_model("./nowhere", "--model")
     assert is_hub_id("Qwen/Qwen3-0.6B") and is_hub_id("org/name@v1.0")
     assert not is_hub_id("runs/arithmetic/sft/hf")  # three parts: a path, never an id
@@ -107,3 +108,16 @@ def test_cli_refuses_an_unresolvable_model_before_anything_starts(tmp_path, caps
     err = capsys.readouterr().err
     assert "model.path: nobody/no-such-model is not a local directory" in err and "hf download" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    from tether.config import config_from_dict
+    from tether.run.preflight import check_inputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    cfg = config_from_dict({"model": {"path": "model"}, "data": {"path": "data/train.jsonl"}})
+    with pytest.raises(ConfigError, match=rf"data.path: data/train.jsonl does not exist \(looked for "
+                                          rf"{tmp_path}/data/train.jsonl: data and model paths are relative to the "
+                                          r"working directory, function specs to the config file's folder\)"):
+        check_inputs(cfg, "train")

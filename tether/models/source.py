@@ -40,7 +40,8 @@ def resolve_model(spec: str, field: str = "model.path") -> str:
         raise ConfigError(f"{field}: {spec} is a file, not an HF model directory{hint}")
     match = _HUB_ID.match(spec)
     if not match or spec.startswith((".", "/", "~")):
-        raise ConfigError(f"{field}: {spec} does not exist (neither a local directory nor a Hugging Face "
+        where = "" if path.is_absolute() else f" at {path.resolve()}, relative to the working directory"
+        raise ConfigError(f"{field}: {spec} does not exist{where} (neither a local directory nor a Hugging Face "
                           "Hub id like Qwen/Qwen2.5-0.5B-Instruct)")
     return _from_hub(match["repo"], match["rev"], spec, field)
 

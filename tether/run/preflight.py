@@ -35,7 +35,7 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
         if value is None:
             problems.append(f"  {field}: required for `tether {command}`")
         elif not Path(value).exists():
-            problems.append(f"  {field}: {value} does not exist")
+            problems.append(f"  {field}: {value} does not exist{_resolved_against(value)}")
     specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
              "rollout.group_reward": cfg.rollout.group_reward, "rollout.dynamic_filter": cfg.rollout.dynamic_filter,
              "rollout.reward_post_process": cfg.rollout.reward_post_process,
@@ -48,6 +48,14 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     problems += missing_packages(cfg)
     if problems:
         raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
+
+
+def _resolved_against(value: str) -> str:
+    """Where a relative data or model path was looked for: the working directory (function specs
+    resolve against the config file's folder instead, so the two can differ in one YAML)."""
+    path = Path(value).expanduser()
+    return "" if path.is_absolute() else f" (looked for {path.resolve()}: data and model paths are relative to " \
+        "the working directory, function specs to the config file's folder)"
 
 
 OPTIONAL = {  # field set -> (the module it imports, what installs it)
