@@ -93,11 +93,21 @@ def test_a_healthy_run_gets_no_warning():
 def test_first_eval_scoring_every_sample_alike_names_the_reward():
     health = RolloutHealth(4)
     texts = [str(i) for i in range(16)]
-    _, warnings = health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")
-    assert len(warnings) == 1 and "eval 'add2' scored 0.0 on every one of its 16 samples" in warnings[0]
+    # All 0 at the first eval may be a starting model meant to score 0: said only when the second eval,
+    # after some training, scores every sample 0 again.
+    assert health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math", step=0)[1] == []
+    _, warnings = health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math", step=10)
+    assert len(warnings) == 1 and ("eval 'add2' scored 0.0 on every one of its 16 samples at its first eval "
+                                   "(step 0) and again at step 10") in warnings[0]
     assert "the reward 'math'" in warnings[0] and "label    'x y'" in warnings[0]
-    # Only the first eval of a set: later all-zero evals are a model that got worse, not a wrong reward.
-    assert health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")[1] == []
+    # Not again: later all-zero evals are a model that got worse, not a wrong reward.
+    assert health.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math", step=20)[1] == []
+    # A set that starts at 0 and learns gets no warning; one that scores every sample 1 at once does.
+    learns = RolloutHealth(4)
+    assert learns.after_eval("add2", samples([0.0] * 16, texts=texts), 0.0, 0.0, "math")[1] == []
+    assert learns.after_eval("add2", samples([0.0, 1.0] * 8, texts=texts), 0.5, 0.0, "math", step=10)[1] == []
+    _, warnings = RolloutHealth(4).after_eval("add2", samples([1.0] * 16, texts=texts), 1.0, 1.0, "math")
+    assert len(warnings) == 1 and "scored 1.0 on every one of its 16 samples at its first eval, with" in warnings[0]
 
 
 def test_an_eval_falling_below_its_best_warns_once():

@@ -72,6 +72,7 @@ class RolloutHealth:
     _first_entropy: float | None = None
     _last_entropy: float | None = None
     _first_share: dict = field(default_factory=dict)
+    _zero_at_first: dict = field(default_factory=dict)  # eval set -> step of a first eval that scored all 0
     _best_reward: float | None = None
     _best_eval: dict = field(default_factory=dict)
 
@@ -131,14 +132,21 @@ class RolloutHealth:
 
     def after_eval(self, name: str, samples: list[Sample], score: float, constant_score: float,
                    reward_spec: str = "", step: int = 0) -> tuple[dict[str, float], list[str]]:
-        """Metrics of how varied the eval's answers are; warnings when the first eval of a set scores
-        every sample alike (a reward that does not fit its answers), when its score falls well below
-        its best, or when the answers collapse onto one."""
+        """Metrics of how varied the eval's answers are; warnings when a set's evals score every sample
+        alike (a reward that does not fit its answers: at the first eval, or for all 0 at the first two,
+        since a starting model may be meant to score 0), when its score falls well below its best, or
+        when the answers collapse onto one."""
         warnings = self._regression(name, score, step)
         rewards = {s.scored_reward() for s in samples}
-        if name not in self._first_share and len(rewards) == 1 and len(samples) > 1:
-            warnings.append(f"eval {name!r} scored {score} on every one of its {len(samples)} samples at its first "
-                            f"eval, with the reward {reward_spec!r}: check that this reward reads the set's "
+        alike = len(rewards) == 1 and len(samples) > 1
+        is_first = name not in self._first_share
+        zero_since = None if is_first else self._zero_at_first.pop(name, None)
+        if is_first and alike and score == 0:
+            self._zero_at_first[name] = step  # said at the next eval if RL has not moved it
+        elif alike and (is_first or zero_since is not None and score == 0):
+            when = "at its first eval" if is_first else f"at its first eval (step {zero_since}) and again at step {step}"
+            warnings.append(f"eval {name!r} scored {score} on every one of its {len(samples)} samples {when}, "
+                            f"with the reward {reward_spec!r}: check that this reward reads the set's "
                             "answers as they are (eval.datasets[].reward; unset, it is rollout.reward), or the "
                             "model never answers right\n" + describe(samples[0]))
         counts = answer_counts(samples)
