@@ -5,19 +5,40 @@ Rewards, policy losses and other user code plug in this way; errors name the spe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
+import inspect
 import importlib.util
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 
-def load_function(spec: str, kind: str, error: type[Exception] = ValueError) -> Callable:
+def load_function(spec: str, kind: str, error: type[Exception] = ValueError,
+                  args: dict[str, Any] | None = None) -> Callable:
     """Resolve ``spec`` (a ``module:function`` or ``file.py:function``) to a callable.
 
-    ``kind`` names what is loaded in messages ("reward", "policy loss"); ``error`` is raised.
+    ``kind`` names what is loaded in messages ("reward", "policy loss"); ``error`` is raised. ``args``:
+    the run's ``args:`` section, given to a function that has a parameter named ``args``.
     """
+    fn = _load(spec, kind, error)
+    return with_args(fn, args) if args is not None else fn
+
+
+def with_args(fn: Callable, args: dict[str, Any]) -> Callable:
+    """``fn`` with ``args=`` bound when it takes a parameter of that name (a user function's own
+    settings, from the config's ``args:``); else ``fn``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    if "args" in params and params["args"].kind is not inspect.Parameter.POSITIONAL_ONLY:
+        return functools.partial(fn, args=args)
+    return fn
+
+
+def _load(spec: str, kind: str, error: type[Exception]) -> Callable:
     spec = spec.strip()
     target, _, attr = spec.rpartition(":")  # the function name never contains ':', a file path might
     if not target or not attr:

@@ -529,3 +529,8 @@ def test_every_engine_backend_has_one_descriptor():
 
     variants = get_args(get_args(EngineConfig)[0])
     assert {v.model_fields["backend"].default: v for v in variants} == {k: b.config for k, b in BACKENDS.items()}
+
+
+def test_args_take_any_keys_from_the_file_and_the_command_line():
+    cfg = load_config(None, ["model.path=m", "args.table=data/t.json", "args.limits.calls=3"])
+    assert cfg.args == {"table": "data/t.json", "limits": {"calls": 3}}

@@ -94,3 +94,32 @@ def test_a_missing_reward_file_is_refused_before_start(tmp_path):
                                        "rollout: {reward: rewards/mine.py:fn}\n")
     with pytest.raises(ConfigError, match=r"rollout.reward: .*rewards/mine.py does not exist \(a relative path"):
         check_inputs(load_config(tmp_path / "run.yaml"), "train")
+
+
+def test_functions_get_the_configs_args_when_they_name_the_parameter(tmp_path):
+    # A user function's own settings (a table, a tool's limits) live in the config's args: section.
+    import asyncio
+
+    from tether.config import config_from_dict
+    from tether.rollout.user_functions import make_scorer
+    from tether.rollout.filters import load_filter
+    from tether.sample import Sample
+
+    (tmp_path / "fns.py").write_text(
+        "def score(response, label, args):\n"
+        "    return float(response.strip() == args['table'][label])\n"
+        "async def plain(response, label):\n"
+        "    return 1.0\n"
+        "def keep(samples, args):\n"
+        "    return len(samples) >= args['min_group']\n")
+    cfg = config_from_dict({"model": {"path": "m"}, "rollout": {"reward": f"{tmp_path}/fns.py:score"},
+                            "args": {"table": {"a": "1"}, "min_group": 3}})
+    group = [Sample(0, j, "p", "a", {}, [1], response_text=text) for j, text in enumerate(["1", "2"])]
+    asyncio.run(make_scorer(cfg).score_group(group))
+    assert [s.reward for s in group] == [1.0, 0.0]
+    assert load_filter(f"{tmp_path}/fns.py:keep", args=cfg.args)(group)[0] is False  # 2 < min_group 3
+    # A function without the parameter is called as before (async detection kept).
+    plain = config_from_dict({"model": {"path": "m"}, "rollout": {"reward": f"{tmp_path}/fns.py:plain"},
+                              "args": {"x": 1}})
+    asyncio.run(make_scorer(plain).score_group(group))
+    assert [s.reward for s in group] == [1.0, 1.0]

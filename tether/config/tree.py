@@ -406,6 +406,11 @@ class TetherConfig(Section):
     """Supervised fine-tuning data (`tether sft`)."""
     debug: DebugConfig = DebugConfig()
     """Saving rollouts, and training on saved ones."""
+    args: dict[str, Any] = {}
+    """Your functions' own settings, free-form (a table path, a sandbox image, a tool's limits): a
+    reward, group reward, post-process or filter function with a parameter named ``args`` gets this
+    dict; generate and rollout functions read it as ``ctx.args``. Overrides reach into it
+    (``args.table=data/t.json``)."""
 
     @model_validator(mode="before")
     @classmethod

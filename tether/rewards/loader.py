@@ -33,7 +33,7 @@ class RewardError(RuntimeError):
     """A reward function failed or returned an invalid value."""
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, args: dict | None = None) -> RewardFn:
     """Resolve `spec` to a reward function.
 
     Raises:
@@ -49,7 +49,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"{sorted(BUILTIN_REWARDS)}, or use 'package.module:function' or "
             f"'path/to/file.py:function'"
         )
-    return adapt_reward(load_function(spec, "reward", RewardLoadError), spec, RewardLoadError)
+    return adapt_reward(load_function(spec, "reward", RewardLoadError, args), spec, RewardLoadError)
 
 
 def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str, key: str | None = None) -> list[float]:

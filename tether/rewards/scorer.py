@@ -32,7 +32,8 @@ from tether.errors import TIMEOUTS
 class Scorer:
     def __init__(self, reward: str, *, group_reward: str | None = None, reward_key: str | None = None,
                  post_process: str | None = None, timeout_s: float = 60.0, retries: int = 2,
-                 field: str = "rollout.reward"):
+                 field: str = "rollout.reward", args: dict | None = None):
+        """``args``: the config's ``args:``, given to a function with a parameter of that name."""
         self.key = reward_key
         self.timeout_s = timeout_s
         self.field = "rollout.group_reward" if group_reward else field
@@ -40,10 +41,10 @@ class Scorer:
         self.group_spec = group_reward
         self.spec = group_reward or reward
         self.remote = RemoteReward(reward, timeout_s, retries) if is_remote(reward) and not group_reward else None
-        self.fn = None if self.remote or group_reward else _named(load_reward_fn, reward, field)
-        self.group_fn = _named(lambda s: load_function(s, "group reward", RewardLoadError), group_reward,
+        self.fn = None if self.remote or group_reward else _named(lambda s: load_reward_fn(s, args), reward, field)
+        self.group_fn = _named(lambda s: load_function(s, "group reward", RewardLoadError, args), group_reward,
                                "rollout.group_reward") if group_reward else None
-        self.post_fn = _named(lambda s: load_function(s, "reward post-process", RewardLoadError), post_process,
+        self.post_fn = _named(lambda s: load_function(s, "reward post-process", RewardLoadError, args), post_process,
                               "rollout.reward_post_process") if post_process else None
         self.post_spec = post_process
 

@@ -38,13 +38,13 @@ def keep_all(samples: list[Sample]) -> tuple[bool, str]:
     return True, ""
 
 
-def load_filter(spec: str | None, field: str = "rollout.dynamic_filter") -> Filter:
+def load_filter(spec: str | None, field: str = "rollout.dynamic_filter", args: dict | None = None) -> Filter:
     """The filter ``spec`` names (``keep_all`` for None), wrapped to always return (keep, reason)."""
     if spec is None:
         return keep_all
     if ":" in spec:
         try:
-            fn = load_function(spec, "dynamic filter", FilterError)
+            fn = load_function(spec, "dynamic filter", FilterError, args)
         except FilterError as err:
             raise FilterError(f"{field}: {err}") from None
     elif spec in BUILTIN_FILTERS:

@@ -92,6 +92,8 @@ class GenerateContext:
         self.rid, self._seed, self._is_cut, self._timeout_s = rid, seed, is_cut, timeout_s
         self.budget = budget
         self.calls = 0
+        self.args: dict = dict(cfg.args) if cfg is not None else {}
+        """The config's ``args:``: this function's own settings."""
 
     async def generate(self, input_ids: list[int], sampling_params: dict) -> Generation:
         """One /generate call on this group's engine, with log-probs."""

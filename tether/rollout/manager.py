@@ -74,7 +74,7 @@ class RolloutManager:
                                    n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
         # Every user function is loaded here, once: a bad spec fails the start, naming its field.
         self.scorer = make_scorer(self.cfg)
-        self.keep = load_filter(r.dynamic_filter)
+        self.keep = load_filter(r.dynamic_filter, args=self.cfg.args)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_response_len, stop_token_ids=tuple(r.stop_token_ids))
         eval_loaded = load_eval_rows(self.cfg, self.tokenizer, positions)

@@ -133,6 +133,7 @@ class RolloutContext:
                  seed: int, score: Callable[[Group], Awaitable[None]], schedule=None, keep=None, buffer=None,
                  what: str = ""):
         self.cfg, self.tokenizer, self.rollout_id, self.evaluation = cfg, tokenizer, rollout_id, evaluation
+        self.args = cfg.args  # the config's args: the function's own settings
         self.driver, self.params, self.seed, self.schedule, self.keep, self.buffer = driver, params, seed, schedule, keep, buffer
         self.urls: list[str] = [w.url for w in driver.fleet.router.workers]
         # Without a seed: your own requests choose theirs (generate_group seeds each sample itself).

@@ -23,7 +23,7 @@ def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "roll
     r = cfg.rollout
     return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
                   post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
-                  retries=r.reward_retries, field=field if reward else "rollout.reward")
+                  retries=r.reward_retries, field=field if reward else "rollout.reward", args=cfg.args)
 
 
 async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
@@ -46,7 +46,7 @@ def check_user_functions(cfg: TetherConfig) -> None:
     generate functions, data rows' own included) once in the launching process, so that a bad spec
     fails before Ray starts, naming its config field (or its data file and line)."""
     problems = []
-    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter),
+    checks = [lambda: make_scorer(cfg), lambda: load_filter(cfg.rollout.dynamic_filter, args=cfg.args),
               lambda: CustomGenerate(cfg.rollout.custom_generate_fn), lambda: CustomGenerate(None, _row_generate_fns(cfg)),
               lambda: cfg.rollout.custom_rollout_fn and load_rollout_fn(cfg.rollout.custom_rollout_fn)]
     checks += [functools.partial(make_scorer, cfg, e.reward, f"eval.datasets[{i}].reward")
