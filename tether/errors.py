@@ -35,6 +35,18 @@ class CheckpointSaveError(RuntimeError):
     checkpoint is still the latest (the failed one was removed; a resume starts from that one)."""
 
 
+class EnginesLostInPush(RuntimeError):
+    """Engines (by index) died or froze while the trainer pushed weights into them: the loop replaces
+    them, the replacements get the current weights, and the push is made again."""
+
+    def __init__(self, indices: list[int], reason: str):
+        super().__init__(f"engine(s) {indices} lost during the weight push: {reason}")
+        self.indices, self.reason = list(indices), reason
+
+    def __reduce__(self):  # raised in the train actor, caught by the driver: pickled with its fields
+        return (EnginesLostInPush, (self.indices, self.reason))
+
+
 class TrainerDiedError(RuntimeError):
     """A trainer rank's process died: which rank, during which call, and Ray's reason."""
 

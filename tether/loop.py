@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether.engine.base import KV_CACHE, WEIGHTS
-from tether.errors import CheckpointSaveError
+from tether.errors import CheckpointSaveError, EnginesLostInPush
 from tether.run.faults import crash_point
 
 
@@ -33,6 +33,9 @@ class Rollout(Protocol):
     def save_state(self, ckpt_dir: str) -> None: ...
     def offload(self, tags: list[str]) -> None: ...
     def onload(self, tags: list[str]) -> None: ...
+    def replace_engines(self, indices: list[int], reason: str) -> float:
+        """Replace these lost engines (each gets the trainer's current weights); the seconds it took."""
+        ...
 
 
 class SavesState(Protocol):
@@ -96,10 +99,23 @@ def sync_weights(trainer: Trainer, rollout: Rollout, version: int, offload: bool
     if offload:
         trainer.offload()
         rollout.onload([WEIGHTS])
-    metrics = trainer.push_weights(version)
+    metrics = push_weights(trainer, rollout, version)
     if offload:
         rollout.onload([KV_CACHE])
     return metrics
+
+
+def push_weights(trainer: Trainer, rollout: Rollout, version: int) -> dict[str, float]:
+    """The trainer's push. Engines that die during it are replaced (with the current weights, up to
+    cluster.max_engine_restarts) and the push is made again, as a lost engine is during a rollout."""
+    try:
+        return trainer.push_weights(version)
+    except EnginesLostInPush as err:
+        lost = err
+    seconds = rollout.replace_engines(lost.indices, lost.reason)
+    metrics = trainer.push_weights(version)
+    return {**metrics, "faults/engines_replaced_in_push": float(len(lost.indices)),
+            "timing/engine_replace_s": seconds}
 
 
 def begin(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, startup: Startup | None) -> None:

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import tiny_config
 from tether.config import config_from_dict
 from tether.errors import EngineDiedError
-from tether.run.faults import ENGINE_FAULT
+from tether.run.faults import ENGINE_FAULT, ENGINE_UPDATE_FAULT
 from tether.train import train
 
 pytestmark = pytest.mark.integration
@@ -67,6 +67,25 @@ def test_a_lost_engine_is_replaced_and_the_run_trains_the_same_samples(
     assert rows[-1]["faults/engine_restarts"] == 1.0
     if engines == 2:  # the lost engine's requests were sent to the other one
         assert sum(r.get("faults/samples_reissued", 0) for r in rows) > 0
+    assert trained(out) == undisturbed
+
+
+@pytest.mark.parametrize("weight_sync", ["object_store", "distributed"])
+def test_an_engine_lost_during_a_weight_push_is_replaced_and_the_push_made_again(
+        undisturbed, tiny_model_dir, addition_data, tmp_path, monkeypatch, capfd, weight_sync):
+    # The 2nd weight bucket an engine loads is the push after rollout 0 (one bucket a push): it dies
+    # there. The replacement gets the trainer's current weights, the push is made again to both.
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENGINE_UPDATE_FAULT, f"2:{tmp_path / 'fault_fired'}")
+    train(config_from_dict(fault_config(tiny_model_dir, addition_data, out, 2, weight_sync=weight_sync)))
+    assert (tmp_path / "fault_fired").exists()
+    err = capfd.readouterr().err
+    assert "lost: it died during the weight push (" in err and "(engine restart 1/3)" in err
+    rows = metrics(out)
+    assert [r.get("faults/engines_replaced_in_push") for r in rows if "faults/engines_replaced_in_push" in r] == [1.0]
+    assert rows[-1]["faults/engine_restarts"] == 1.0
+    # Engines and trainer agree on every token afterwards: the replacement serves the pushed weights.
+    assert max(r["mismatch/logprob_abs_diff_max"] for r in rows if "mismatch/logprob_abs_diff_max" in r) < 1e-4
     assert trained(out) == undisturbed
 
 

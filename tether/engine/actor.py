@@ -13,6 +13,7 @@ from tether.engine.core import start_engine_core
 from tether.engine.embedded import EmbeddedEngine
 from tether.engine.server import EngineServer
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits
+from tether.run.faults import engine_update_fault
 from tether.weight_sync.base import copy_threads
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
@@ -40,6 +41,7 @@ class EngineActor(EngineBackend):
     def load_weight_bucket(self, bucket: SharedBucket | PackedBucket, version: int, overlapped: bool = False) -> int:
         """One bucket from ObjectStoreSender, copied into the model from shared memory or the object store
         (with half the threads when ``overlapped``: the trainer writes the next bucket meanwhile)."""
+        engine_update_fault()
         tensors = self._segment.tensors(bucket) if isinstance(bucket, SharedBucket) else unpack_bucket(bucket)
 
         def load() -> int:

@@ -28,6 +28,7 @@ from tether.engine.protocol import (
     response,
 )
 from tether.engine.routes import mount_contract
+from tether.run.faults import engine_update_fault
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits, guard
 from tether.http.server import ThreadedServer
 from tether.weight_sync.group import GroupJoiner, Receiver
@@ -148,6 +149,7 @@ class EmbeddedHandler:
         return {"released": sorted(self.core.engine.released)}
 
     def load_bucket(self, tensors: dict, version: int) -> int:
+        engine_update_fault()
         engine = self.core.engine
 
         def apply() -> int:
@@ -166,6 +168,7 @@ class EmbeddedHandler:
         self.groups[body.group_name] = Receiver(group, self.core.engine.device)
 
     def receive_bucket(self, body: UpdateDistributedIn) -> int:
+        engine_update_fault()
         receiver = self.groups.get(body.group_name)
         if receiver is None:
             raise ValueError(f"no weight-update group {body.group_name!r}: call /init_weights_update_group")

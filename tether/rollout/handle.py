@@ -21,7 +21,7 @@ from tether.cluster import Placement, actor_resources, dead_actors, key_env, log
 from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, placed_engines, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
-from tether.run.faults import ENGINE_FAULT, crash_point
+from tether.run.faults import ENGINE_FAULT, ENGINE_UPDATE_FAULT, crash_point
 from tether.scheduling import wait_started
 from tether.rollout.manager import FAULTS, MANAGER_SECONDS, RolloutManager
 
@@ -55,9 +55,10 @@ def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
 def engine_env(c) -> dict:
     """key_env, and the engine fault a test asked for (TETHER_ENGINE_FAULT, see tether/run/faults.py)."""
     options = key_env(c)
-    if ENGINE_FAULT in os.environ:
-        env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env[ENGINE_FAULT] = os.environ[ENGINE_FAULT]
+    for name in (ENGINE_FAULT, ENGINE_UPDATE_FAULT):
+        if name in os.environ:
+            env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
+            env[name] = os.environ[name]
     return options
 
 
@@ -122,6 +123,13 @@ class RolloutHandle:
         for url, reason in lost.items():
             if url in self.urls:  # an external engine is not ours to restart: it stays out
                 self._replace(self.urls.index(url), reason)
+        return time.monotonic() - start
+
+    def replace_engines(self, indices: list[int], reason: str) -> float:
+        """Replace engines lost outside a rollout (during a weight push); returns the seconds it took."""
+        start = time.monotonic()
+        for index in indices:
+            self._replace(index, f"it died during the weight push ({reason})")
         return time.monotonic() - start
 
     def _replace(self, index: int, reason: str) -> None:

@@ -76,6 +76,9 @@ class ReplayRollout:
     def onload(self, tags: list[str]) -> None:
         pass
 
+    def replace_engines(self, indices: list[int], reason: str) -> float:
+        raise RuntimeError(f"a replayed run has no engines to replace ({reason})")
+
     def shutdown(self) -> None:
         pass
 

@@ -8,6 +8,8 @@ checkpoint became visible).
 `TETHER_ENGINE_FAULT=<KILL|STOP>:<n>:<marker file>` makes the first engine to receive its n-th
 /generate request send itself SIGKILL (dies) or SIGSTOP (freezes, holding every request): the
 marker file, created once, keeps its replacement and the other engines from doing the same.
+`TETHER_ENGINE_UPDATE_FAULT=<n>:<marker file>` does the same (SIGKILL) at an engine's n-th weight
+bucket, while the trainer pushes weights into it.
 
 Unset, each costs one dict lookup.
 """
@@ -20,7 +22,9 @@ import signal
 
 ENV = "TETHER_CRASH_AT"
 ENGINE_FAULT = "TETHER_ENGINE_FAULT"
+ENGINE_UPDATE_FAULT = "TETHER_ENGINE_UPDATE_FAULT"
 _generate_requests = itertools.count(1)
+_weight_buckets = itertools.count(1)
 
 
 def crash_point(point: str, rollout_id: int) -> None:
@@ -34,10 +38,23 @@ def engine_fault() -> None:
     if spec is None:
         return
     sig, n, marker = spec.split(":", 2)
-    if next(_generate_requests) != int(n):
+    if next(_generate_requests) == int(n):
+        _fire(marker, {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig])
+
+
+def engine_update_fault() -> None:
+    """Called by engine actors on each weight bucket they load."""
+    spec = os.environ.get(ENGINE_UPDATE_FAULT)
+    if spec is None:
         return
+    n, marker = spec.split(":", 1)
+    if next(_weight_buckets) == int(n):
+        _fire(marker, signal.SIGKILL)
+
+
+def _fire(marker: str, sig: signal.Signals) -> None:
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:  # another engine had the fault already
         return
-    os.kill(os.getpid(), {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig])
+    os.kill(os.getpid(), sig)

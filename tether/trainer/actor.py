@@ -33,10 +33,14 @@ from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
 from tether.engine.backends import engine_ranks
+from tether.errors import EnginesLostInPush
 from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
 from tether.weight_sync.group import tcp_store
 from tether.weight_sync.object_store import ObjectStoreSender
+
+ENGINE_PROBE_S = 10.0
+"""After a failed push, how long an engine actor has to answer before it counts as lost."""
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -202,7 +206,28 @@ class TrainActor:
             raise RuntimeError("push_weights before connect_engines")
         if self.sender is None:  # an engine was replaced: the transport is set up again for all
             self.sender = self._sender(self.engines, self.engine_urls)
-        return self.sender.send(self._full_tensors_for(self.sender), version)
+        try:
+            return self.sender.send(self._full_tensors_for(self.sender), version)
+        except Exception as err:  # noqa: BLE001 - an engine that died is named; any other failure stands
+            dead = self._dead_engines()
+            if not dead:
+                raise
+            self.sender.close()  # set up again, for the replacements too, by the next push
+            self.sender = None
+            raise EnginesLostInPush(dead, f"{type(err).__name__}: {str(err)[:500]}") from None
+
+    def _dead_engines(self) -> list[int]:
+        """Indices of the engine actors that are gone or do not answer /health (external servers are not
+        ours to replace and are not asked)."""
+        import ray
+
+        dead = []
+        for index, engine in enumerate(self.engines):
+            try:
+                ray.get(engine.health.remote(), timeout=ENGINE_PROBE_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(index)
+        return dead
 
     def _full_tensors_for(self, sender: WeightSender):
         """The gathered tensors where the transport takes them: the object store from host memory, a
