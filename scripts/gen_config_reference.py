@@ -72,24 +72,19 @@ def _union_members(tp: Any) -> list[Any] | None:
     return None
 
 
+_BOUNDS = ((annotated_types.Ge, "ge", ">= {}"), (annotated_types.Gt, "gt", "> {}"),
+           (annotated_types.Le, "le", "<= {}"), (annotated_types.Lt, "lt", "< {}"),
+           (annotated_types.MinLen, "min_length", "at least {} item(s)"),
+           (annotated_types.MaxLen, "max_length", "at most {} item(s)"))
+
+
 def _constraints(meta: list[Any]) -> list[str]:
     """Bounds from pydantic's field metadata (``Field(ge=1)`` and the like), as ``>= 1``."""
     out = []
     for m in meta:
         if isinstance(m, FieldInfo):  # Annotated[X, Field(...)] inside a container
             out += _constraints(list(m.metadata))
-        elif isinstance(m, annotated_types.Ge):
-            out.append(f">= {m.ge}")
-        elif isinstance(m, annotated_types.Gt):
-            out.append(f"> {m.gt}")
-        elif isinstance(m, annotated_types.Le):
-            out.append(f"<= {m.le}")
-        elif isinstance(m, annotated_types.Lt):
-            out.append(f"< {m.lt}")
-        elif isinstance(m, annotated_types.MinLen):
-            out.append(f"at least {m.min_length} item(s)")
-        elif isinstance(m, annotated_types.MaxLen):
-            out.append(f"at most {m.max_length} item(s)")
+        out += [text.format(getattr(m, attr)) for kind, attr, text in _BOUNDS if isinstance(m, kind)]
     return out
 
 
