@@ -19,7 +19,8 @@ import sys
 from tether.config import ConfigError, TetherConfig, dump_config, load_config
 from tether.run.preflight import check_inputs
 from tether.run.output_dir import stopped_message
-from tether.errors import CheckpointSaveError, EngineDiedError, NonFiniteError, RemoteTimeout, TrainerDiedError
+from tether.errors import (CheckpointSaveError, EngineDiedError, NonFiniteError, RemoteTimeout, RolloutFailed,
+                           RolloutStalled, TrainerDiedError)
 from tether.rollout.prompt_format import DatasetError
 
 COMMANDS = {
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as err:  # also a resume whose config no longer matches the checkpoint
         print(f"tether: {err}", file=sys.stderr)
         return 2
-    except (NonFiniteError, EngineDiedError, CheckpointSaveError, TrainerDiedError, RemoteTimeout) as err:
+    except (NonFiniteError, EngineDiedError, CheckpointSaveError, TrainerDiedError, RemoteTimeout, RolloutFailed,
+            RolloutStalled) as err:
         # Failures that explain themselves: their message, not a remote traceback (Ray wraps it in .cause).
         print(f"tether: {getattr(err, 'cause', None) or err}", file=sys.stderr)
         return 1

@@ -53,3 +53,35 @@ class TrainerDiedError(RuntimeError):
 
 class RemoteTimeout(TimeoutError):
     """A remote call did not finish in time; the message says which call (and which ranks)."""
+
+
+class SampleFailure(RuntimeError):
+    """Raised inside a generate function, tool or environment adapter when one sample cannot go on for
+    a reason outside the policy's control. The rollout retries the sample (``rollout.failures``) and
+    masks it when it still fails; it is never scored 0. ``kind`` names the failure class in metrics
+    and dumps."""
+
+    kind = "generate"
+
+
+class ToolFailure(SampleFailure):
+    """A tool's infrastructure failed (its sandbox did not start, its server is gone). A tool's ordinary
+    errors (bad arguments, an exception in the user's program) are its output to the model instead."""
+
+    kind = "tool"
+
+
+class EnvironmentFailure(SampleFailure):
+    """An environment failed (its server did not answer, reset or step raised)."""
+
+    kind = "environment"
+
+
+class RolloutFailed(RuntimeError):
+    """A rollout had more failed samples than ``rollout.failures`` allows, or too few left to train on:
+    how many of which kind, the first errors, and the dump that lists them all."""
+
+
+class RolloutStalled(RuntimeError):
+    """A rollout made no progress for ``rollout.failures.stall_timeout_s``: the groups it waited on,
+    their engines and their stacks."""

@@ -52,6 +52,9 @@ class Sample:
             in its group, with a loss mask of all 0.
         metrics: numbers a generate function records about the sample (tool calls, turns, ...);
             averaged over the rollout as `rollout/sample/<name>_mean` (eval: `eval/<set>/<name>_mean`).
+        failure: why the sample has no reward to train on, {"kind", "error", "attempts"}: its generation,
+            a tool, its environment or its reward failed (tether/rollout/failures.py), or its reward
+            function returned None ("unscored"). Such a sample is removed: never read as a reward of 0.
     """
 
     prompt_index: int
@@ -74,6 +77,24 @@ class Sample:
     reward_info: dict | None = None
     remove: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    failure: dict | None = None
+
+    def fail(self, kind: str, error: str, attempts: int = 1) -> None:
+        """Mark the sample failed (kind: tether/rollout/failures.py's KINDS): removed from training, its
+        group's statistics and the rollout's reward metrics, with the reason kept for the dump."""
+        self.failure = {"kind": kind, "error": error, "attempts": int(attempts)}
+        self.remove = True
+        self.reward, self.reward_info = None, None
+
+    def note_retry(self, kind: str) -> None:
+        """Count one more retry of this sample after a failure of ``kind`` (metrics: failures/retried/<kind>)."""
+        key = RETRIES + kind
+        self.metrics[key] = self.metrics.get(key, 0) + 1
+
+    @property
+    def failed(self) -> bool:
+        """The sample has no reward to train on (``failure`` says why)."""
+        return self.failure is not None
 
     def add_generated(self, ids: list[int], logprobs: list[float], text: str = "",
                       weight_version: int | None = None) -> None:
@@ -191,6 +212,7 @@ class Sample:
             "reward_info": None if self.reward_info is None else {k: _json_float(v) for k, v in self.reward_info.items()},
             "remove": bool(self.remove),
             "metrics": {k: _json_float(v) for k, v in self.metrics.items()},
+            "failure": copy.deepcopy(self.failure),
         }
 
 
@@ -200,6 +222,17 @@ def sample_from_dict(row: dict) -> Sample:
     if fields.get("response_logprobs") is not None:
         fields["response_logprobs"] = [float("nan") if x is None else x for x in fields["response_logprobs"]]
     return Sample(**fields)
+
+
+UNSCORED = "unscored"
+"""The failure kind of a sample whose reward function returned None: left out, but not a failure."""
+RETRIES = "retries/"
+"""Prefix of the Sample.metrics entries that count a sample's retries of each kind."""
+
+
+def counted(samples: list[Sample]) -> list[Sample]:
+    """The samples with a reward (those that did not fail): what reward statistics are taken over."""
+    return [s for s in samples if s.failure is None]
 
 
 STATUS_OF_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}

@@ -16,6 +16,7 @@ from tether.trainer.nonfinite import NonFiniteError
 
 pytestmark = pytest.mark.integration
 USER_LOSS = Path(__file__).parent / "user_loss.py"
+USER_GENERATE = Path(__file__).parent / "user_generate.py"
 
 
 def test_a_nan_loss_stops_before_any_checkpoint_or_push(ray_session, tiny_model_dir, addition_data, tmp_path):
@@ -105,3 +106,28 @@ def test_a_save_on_a_full_disk_keeps_the_previous_checkpoint(ray_session, tiny_m
     assert rollout_id == 0 and not list(disk.glob("*.tmp"))  # the failed one is gone, its space free again
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] >= 1  # the run's log up to the failure is kept
+
+
+def test_a_run_with_injected_tool_and_reward_faults_finishes_and_dumps_them(ray_session, tiny_model_dir, addition_data,
+                                                                         tmp_path, monkeypatch):
+    """30% of tool and reward calls fail (seeded): most are retried away, the rest are masked and dumped."""
+    from tether.run.faults import INJECT_FAULTS
+
+    monkeypatch.setenv(INJECT_FAULTS, "tool=0.3,reward=0.3,seed=2")
+    out = tmp_path / "run"
+    raw = tiny_config(tiny_model_dir, addition_data, out, checkpoint={"save_interval": 100},
+                      rollout={"num_rollout": 2, "max_response_len": 6, "custom_generate_fn": f"{USER_GENERATE}:calls_a_tool",
+                               "failures": {"max_attempts": 2, "max_failed_frac": 0.5, "min_trained_frac": 0.5}})
+    train(config_from_dict(raw))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "failures/samples" in r]
+    assert len(trained) == 2
+    assert sum(r["failures/retried/tool"] + r["failures/retried/reward"] for r in trained) > 0
+    failed = [json.loads(line) for path in sorted((out / "rollouts").glob("rollout_*_failures.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert sum(r["failures/samples"] for r in trained) == len(failed) > 0  # every failure is in a dump
+    assert {f["failure"]["kind"] for f in failed} <= {"tool", "reward"}
+    assert all(f["failure"]["attempts"] == 2 and "injected fault" in f["failure"]["error"] and f["reward"] is None
+               and f["remove"] for f in failed)
+    for r in trained:
+        assert r["rollout/trained_frac"] == 1 - r["failures/samples"] / 16

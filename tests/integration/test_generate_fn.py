@@ -11,7 +11,8 @@ from tether.engine.sampling import SamplingParams
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.filters import keep_all
 from tether.rollout.fleet import EngineFleet
-from tether.rollout.generate_fn import CustomGenerate, GenerateError, GenerateLoadError
+from tether.errors import RolloutFailed
+from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError
 from tether.sample import Sample
 from tether.models.hf import load_tokenizer
 
@@ -127,7 +128,8 @@ def test_sync_functions_and_row_overrides(engine, tokenizer):
     ("wrong_type", r"returned 'text' for rollout 2, prompt_index=0, sample_index=\d; expected a Sample"),
 ])
 def test_a_failing_function_names_itself_and_the_sample(engine, tokenizer, name, match):
-    with pytest.raises(GenerateError, match=match):
+    # Every sample fails (kind generate): over the failure budget, the rollout stops quoting the errors.
+    with pytest.raises(RolloutFailed, match=match):
         run(engine, custom(name, tokenizer), groups(1))
 
 

@@ -6,6 +6,7 @@ No Ray here: the driver is what the rollout manager runs inside its actor.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -14,7 +15,6 @@ import pytest
 
 from tests.integration.reward_server import RewardServer
 from tether.engine.sampling import SamplingParams
-from tether.rewards.loader import RewardError
 from tether.rewards.scorer import Scorer
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.filters import keep_all, nonzero_reward_std
@@ -217,14 +217,20 @@ def test_remote_reward_server_with_retries(engine, reward_server):
     assert len(reward_server.requests) == 4  # 2 answered 503 and were retried, then one per group
 
 
+def reward_error(scorer: Scorer) -> str:
+    """The reward failure of a group's samples (every sample of it: one request per group)."""
+    group = next(groups(1))
+    asyncio.run(scorer.score_group(group))
+    assert all(s.failure is not None and s.failure["kind"] == "reward" for s in group)
+    return group[0].failure["error"]
+
+
 def test_remote_reward_errors_name_the_server(engine, reward_server):
-    with pytest.raises(RewardError, match=r"/bad.*HTTP 400"):
-        asyncio.run(Scorer(f"{reward_server.url}/bad", retries=3).score_group(next(groups(1))))
+    assert re.search(r"/bad.*HTTP 400", reward_error(Scorer(f"{reward_server.url}/bad", retries=3)))
     reward_server.stall_s = 1.5
     try:
-        with pytest.raises(RewardError, match=r"failed 2 time\(s\): no answer within 1s; no answer within 1s"):
-            asyncio.run(Scorer(f"{reward_server.url}/score", timeout_s=1, retries=1).score_group(next(groups(1))))
+        assert "failed 2 time(s): no answer within 1s; no answer within 1s" in reward_error(
+            Scorer(f"{reward_server.url}/score", timeout_s=1, retries=1))
     finally:
         reward_server.stall_s = 0.0
-    with pytest.raises(RewardError, match="failed 1 time.*ConnectError"):
-        asyncio.run(Scorer("http://127.0.0.1:9/score", retries=0).score_group(next(groups(1))))
+    assert re.search("failed 1 time.*ConnectError", reward_error(Scorer("http://127.0.0.1:9/score", retries=0)))

@@ -79,3 +79,56 @@ async def calculator_turns(ctx, sample, sampling_params):
     sample.metrics["tool_calls"] = 1.0
     await ctx.generate_into(sample, sampling_params)
     return sample
+
+
+# ---------------------------------------------------------------- failures (tests/integration/test_sample_failures.py)
+async def flaky_tool(ctx, sample, sampling_params):
+    """A tool whose sandbox fails at sample 0's first attempt: the sample is tried again from its prompt."""
+    from tether.errors import ToolFailure
+    from tether.run.faults import CURRENT_SAMPLE
+
+    await ctx.generate_into(sample, {**sampling_params, "max_new_tokens": 3})
+    if sample.sample_index == 0 and CURRENT_SAMPLE.get().attempt == 1:
+        raise ToolFailure("sandbox did not start")
+    ctx.insert(sample, "<7>")
+    await ctx.generate_into(sample, sampling_params)
+    return sample
+
+
+async def fails_sample_1(ctx, sample, sampling_params):
+    """A bug that hits sample 1 of every group (not retried: kind generate)."""
+    await ctx.generate_into(sample, sampling_params)
+    if sample.sample_index == 1:
+        raise ValueError("cannot parse the tool call")
+    return sample
+
+
+async def env_down_for_prompt_0(ctx, sample, sampling_params):
+    """Prompt 0's environment never answers (kind environment, retried, then failed)."""
+    from tether.errors import EnvironmentFailure
+
+    if sample.prompt_index == 0:
+        raise EnvironmentFailure("environment server at http://env:8000 refused the connection")
+    await ctx.generate_into(sample, sampling_params)
+    return sample
+
+
+async def hangs_on_sample_0(ctx, sample, sampling_params):
+    """Prompt 0's sample 0 waits on a tool that never answers."""
+    import asyncio
+
+    await ctx.generate_into(sample, sampling_params)
+    if sample.sample_index == 0 and sample.prompt_index == 0:
+        await asyncio.Event().wait()
+    return sample
+
+
+async def calls_a_tool(ctx, sample, sampling_params):
+    """One turn, a calculator call whose answer is inserted, another turn (the fault-injection run)."""
+    from tether.tools import Calculator
+
+    await ctx.generate_into(sample, {**sampling_params, "max_new_tokens": 2})
+    result = await Calculator()("6*7")
+    ctx.insert(sample, result.output[:1])
+    await ctx.generate_into(sample, sampling_params)
+    return sample

@@ -21,19 +21,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from tether.importing import load_function
-from tether.rewards.loader import (RewardError, RewardLoadError, compute_rewards, load_reward_fn, reward_raised,
-                                   set_reward)
+from tether.rewards.loader import RewardError, RewardLoadError, load_reward_fn, reward_raised, set_reward
 from tether.rewards.remote import RemoteReward, is_remote
 from tether.rewards.signature import is_async, resolve
-from tether.sample import Sample
 from tether.errors import TIMEOUTS
+from tether.run.faults import inject_fault
+from tether.sample import UNSCORED, Sample
 
 
 class Scorer:
     def __init__(self, reward: str, *, group_reward: str | None = None, reward_key: str | None = None,
                  post_process: str | None = None, timeout_s: float = 60.0, retries: int = 2,
-                 field: str = "rollout.reward", args: dict | None = None):
-        """``args``: the config's ``args:``, given to a function with a parameter of that name."""
+                 field: str = "rollout.reward", args: dict | None = None, attempts: int = 1):
+        """``args``: the config's ``args:``, given to a function with a parameter of that name;
+        ``attempts``: tries at a sample's reward before it is failed (rollout.failures)."""
+        self.attempts = attempts
         self.key = reward_key
         self.timeout_s = timeout_s
         self.field = "rollout.group_reward" if group_reward else field
@@ -49,33 +51,75 @@ class Scorer:
         self.post_spec = post_process
 
     async def score_group(self, samples: list[Sample]) -> None:
-        """Set the reward of every sample of one group."""
-        values: list | None
-        if self.remote is not None:  # bounded by its own timeout and retries
-            values = await self.remote.score(samples)
-        else:
-            try:
-                values = await asyncio.wait_for(self._local(samples), self.timeout_s)
-            except TIMEOUTS:
-                s = samples[0]
-                raise RewardError(f"{self.field} '{self.spec}' did not return within rollout.reward_timeout_s="
-                                  f"{self.timeout_s:g}s for the group of rollout {s.rollout_id}, prompt_index="
-                                  f"{s.prompt_index} ({len(samples)} samples)") from None
-            if values is None:  # validated and stored as it went
+        """Set the reward of every sample of one group that has not failed already. A sample whose reward
+        cannot be had (the function raised, timed out or returned something that is not a reward) is
+        scored again, ``attempts`` times in all, then failed (kind "reward": masked, never scored 0);
+        a reward of None marks it unscored (TRL's "not scored")."""
+        todo = [s for s in samples if not s.failed]
+        errors: dict[int, str] = {}
+        for attempt in range(1, self.attempts + 1):
+            if not todo:
                 return
-        for sample, value in zip(samples, values):
-            set_reward(sample, value, self.spec, self.key)
+            errors = await self._score_once(todo, attempt)
+            todo = [s for s in todo if id(s) in errors]
+            if todo and attempt < self.attempts:
+                for sample in todo:
+                    sample.note_retry("reward")
+        for sample in todo:
+            sample.fail("reward", errors[id(sample)], self.attempts)
 
-    async def _local(self, samples: list[Sample]) -> list | None:
+    async def _score_once(self, samples: list[Sample], attempt: int) -> dict[int, str]:
+        """Score these samples once; the error of each that got no reward, by id."""
+        whole = self.remote is not None or self.group_fn is not None  # one call for the group
+        keys = [(s.rollout_id, s.prompt_index, -1 if whole else s.sample_index, attempt) for s in samples]
+        errors = {id(s): "injected fault (TETHER_INJECT_FAULTS)" for s, key in zip(samples, keys)
+                  if inject_fault("reward", key)}
+        live = [s for s in samples if id(s) not in errors]
+        if not live:
+            return errors
+        try:
+            if self.remote is not None:  # bounded by its own timeout and retries
+                values = await self.remote.score(live)
+            else:
+                values = await asyncio.wait_for(self._local(live), self.timeout_s)
+        except TIMEOUTS:
+            s = live[0]
+            message = (f"{self.field} '{self.spec}' did not return within rollout.reward_timeout_s={self.timeout_s:g}s "
+                       f"for the group of rollout {s.rollout_id}, prompt_index={s.prompt_index} ({len(live)} samples)")
+            return {**errors, **{id(s): message for s in live}}
+        except RewardError as err:
+            return {**errors, **{id(s): str(err) for s in live}}
+        for sample, value in zip(live, values):
+            if isinstance(value, BaseException):
+                errors[id(sample)] = str(value)
+            elif value is None:
+                sample.fail(UNSCORED, f"{self.field} '{self.spec}' returned None (not scored) for {sample.describe()}")
+            else:
+                try:
+                    set_reward(sample, value, self.spec, self.key)
+                except RewardError as err:
+                    errors[id(sample)] = str(err)
+        return errors
+
+    async def _local(self, samples: list[Sample]) -> list:
+        """Each sample's reward, or the RewardError its function raised (a group function's error is the
+        whole group's)."""
         if self.group_fn is not None:
             return await self._group(self.group_fn, samples)
         fn = self.fn
         assert fn is not None  # loaded unless the reward is remote (not scored here) or a group reward
         if is_async(fn):
             return list(await asyncio.gather(*(self._one_async(fn, s) for s in samples)))
-        await asyncio.get_running_loop().run_in_executor(self._threads, compute_rewards, fn, samples, self.spec,
-                                                         self.key)
-        return None
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._each, fn, samples)
+
+    def _each(self, fn: Callable[[Sample], Any], samples: list[Sample]) -> list:
+        out: list = []
+        for sample in samples:
+            try:
+                out.append(resolve(fn(sample)))
+            except Exception as exc:  # noqa: BLE001 - this sample's failure, not the group's
+                out.append(reward_raised(self.spec, sample, exc))
+        return out
 
     def score(self, samples: list[Sample], group_size: int) -> list[float]:
         """``score_group`` for each group, outside an event loop (the eval's constant-answer check)."""
@@ -88,8 +132,8 @@ class Scorer:
     async def _one_async(self, fn: Callable[[Sample], Any], sample: Sample) -> Any:
         try:
             return await fn(sample)
-        except Exception as exc:
-            raise reward_raised(self.spec, sample, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - this sample's failure, not the group's
+            return reward_raised(self.spec, sample, exc)
 
     async def _group(self, group_fn: Callable[[list[Sample]], Any], samples: list[Sample]) -> list:
         try:

@@ -40,6 +40,8 @@ async def builtin_rollout(ctx: RolloutContext, rollout_id: int, data_source: Rol
         for group in result.leftover:  # scored again when kept (with the reward of that rollout)
             for s in group:
                 s.reward = s.reward_info = None
+                if s.failure is not None and s.failure["kind"] in ("reward", "unscored"):  # its response is fine
+                    s.failure, s.remove = None, False
         was_carried = {id(g) for g in carried}
         buffer.put([g for g in result.leftover if id(g) in was_carried] + carried[continued:]
                    + [g for g in result.leftover if id(g) not in was_carried])

@@ -55,6 +55,39 @@ class FullyAsyncSchedule(Section):
     weights."""
 
 
+class FailuresConfig(Section):
+    """What a rollout does with samples that fail (tether/rollout/failures.py, docs/failures.md). A
+    failed sample is never scored 0: it is retried when its failure's kind is retried, and one that
+    still fails is kept out of its group's statistics and the loss (masked), counted and dumped with
+    its reason."""
+
+    max_attempts: int = Field(3, ge=1)
+    """Attempts per sample for a failure of a retried kind (the first one included): a generate
+    function starts the sample again from its prompt; a reward function is called again."""
+    retry: list[Literal["tool", "environment", "reward", "generate", "engine"]] = ["tool", "environment", "reward"]
+    """The failure kinds retried. tool / environment: a tool or environment raised ToolFailure /
+    EnvironmentFailure (infrastructure: a sandbox that did not start, a server gone); reward: the reward
+    function raised, timed out or returned something invalid; generate: any other exception of a
+    generate function (a bug, usually: not retried by default); engine: an engine timed out on, or
+    answered with an error to, a generate function's request. A lost engine is always handled by
+    moving the group to another engine (cluster.max_engine_restarts)."""
+    max_failed_frac: float = Field(0.1, ge=0, le=1)
+    """Failed samples a rollout may have, as a share of the samples it trains on (prompts_per_rollout x
+    n_samples_per_prompt); one more stops the run, naming the failures (0: any failure stops it)."""
+    min_trained_frac: float = Field(0.5, ge=0, le=1)
+    """The share of a rollout's samples that must be trained on (not failed, not unscored); fewer
+    stops the run."""
+    failed_groups: Literal["replace", "shrink"] = "replace"
+    """A group whose every sample failed: dropped and replaced by the next prompt (replace), or kept
+    with nothing of it trained on, the batch shrinking by its samples (shrink)."""
+    stall_timeout_s: float | None = Field(900.0, gt=0)
+    """A rollout in which no request, turn or score completes for this long has stalled: it says which
+    groups it waited on, on which engines, with their stacks. None: never checked."""
+    on_stall: Literal["fail", "drop"] = "fail"
+    """What a stall does: stop the run (fail), or fail the waiting groups' samples (kind "stall") and
+    go on without them (drop)."""
+
+
 Schedule = Annotated[Union[SyncSchedule, OneStepOffSchedule, FullyAsyncSchedule], Field(discriminator="mode")]
 
 MOVED_TO_SCHEDULE = ("max_staleness", "async_mode", "stale_groups", "pause_mode")
@@ -162,6 +195,9 @@ class RolloutConfig(Section):
     schedule: Schedule = SyncSchedule()
     """How generation and training take turns: ``mode`` picks the loop (sync, one_step_off, fully_async)
     and its settings come with it (docs/async.md)."""
+    failures: FailuresConfig = FailuresConfig()
+    """Retries, masking and budgets for samples whose generation, tools, environment or reward fail,
+    and the stall watchdog (docs/failures.md)."""
     on_data_exhausted: Literal["train_on_passed", "fail"] = "train_on_passed"
     """When the epoch's prompts run out before prompts_per_rollout groups pass the filter: train on the
     groups that passed (with a warning), or stop the run with an error."""

@@ -31,9 +31,11 @@ import httpx
 
 from tether.engine.sampling import SamplingParams
 from tether.http.client import async_client, engine_headers, pool_limits
+from tether.rollout.failures import FailureLog, FailurePolicy
 from tether.rollout.fleet import EngineFleet, split_groups
 from tether.rollout.generate_fn import CustomGenerate
 from tether.rollout.group_runner import Group, GroupRunner, KeepFn, ScoreFn
+from tether.rollout.watchdog import watched
 from tether.sample import Sample
 
 
@@ -79,10 +81,14 @@ class Schedule:
 
 
 class GroupDriver:
-    def __init__(self, fleet: EngineFleet, timeout_s: float, custom: CustomGenerate | None = None):
+    def __init__(self, fleet: EngineFleet, timeout_s: float, custom: CustomGenerate | None = None,
+                 policy: FailurePolicy | None = None):
+        """``policy``: retries, masking and budgets of failed samples (rollout.failures)."""
         self.fleet = fleet
         self.timeout_s = timeout_s
         self.custom = custom
+        self.policy = policy or (custom.policy if custom is not None else FailurePolicy())
+        self.failures = FailureLog()  # of every run since the last take_failures()
 
     def run(self, groups: Iterator[Group], schedule: Schedule, params: SamplingParams, seed: int,
             score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
@@ -92,19 +98,29 @@ class GroupDriver:
                    score: ScoreFn, keep: KeepFn, what: str, evaluation: bool = False) -> DriverResult:
         limits = pool_limits(max_connections=None, max_keepalive=64)
         async with async_client(self.timeout_s, limits=limits, headers=engine_headers()) as client:
-            run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what, self.custom, evaluation)
+            run = _Run(self.fleet, client, groups, schedule, params, seed, score, keep, what, self.custom, evaluation,
+                       self.policy)
             start = time.perf_counter()
-            result = await (run.waves() if schedule.waves else run.streaming())
+            try:
+                result = await watched(run.waves() if schedule.waves else run.streaming(), run.runner.watchdog)
+            finally:
+                self.failures.merge(run.runner.failures)
             result.metrics["timing/generate_s"] = time.perf_counter() - start
             result.metrics["timing/reward_s"] = run.runner.reward_s
+            result.metrics.update(run.runner.failures.metrics())
             return result
+
+    def take_failures(self) -> FailureLog:
+        """The failures of the runs since the last call (a rollout's, for its dump)."""
+        log, self.failures = self.failures, FailureLog()
+        return log
 
     async def generate_group(self, client: httpx.AsyncClient, group: Group, params: SamplingParams, seed: int,
                              what: str, evaluation: bool = False) -> Group:
         """One group generated in place, as a run would generate it (for rollout functions); returns it
         (a generate function may change its size)."""
         run = _Run(self.fleet, client, iter(()), Schedule(1, 1, None, False), params, seed, None, None, what,
-                   self.custom, evaluation)
+                   self.custom, evaluation, self.policy)
         await run._generate([group], what)
         return group
 
@@ -113,10 +129,10 @@ class _Run:
     """One driver run: the started groups, in start order, and what became of each."""
 
     def __init__(self, fleet, client, groups, schedule: Schedule, params, seed, score, keep, what,
-                 custom: CustomGenerate | None = None, evaluation: bool = False):
+                 custom: CustomGenerate | None = None, evaluation: bool = False, policy: FailurePolicy | None = None):
         self.fleet, self.client, self.source, self.s = fleet, client, groups, schedule
-        self.seed, self.what = seed, what
-        self.runner = GroupRunner(fleet, params, score, keep, fleet.timeout_s, custom, evaluation)
+        self.seed, self.what, self.evaluation = seed, what, evaluation
+        self.runner = GroupRunner(fleet, params, score, keep, fleet.timeout_s, custom, evaluation, policy, what)
         self.started: list[Started] = []
         self.decided: list[Started] = []  # in the order they were kept or dropped
         self.cut = False  # set once the kept groups are known: later aborts are ours
@@ -147,6 +163,8 @@ class _Run:
         if kept is not None:  # None: cut short by our abort, neither kept nor dropped: it is unfinished
             item.kept, item.reason = kept, reason
             self.decided.append(item)
+        if not self.evaluation:  # a storm of failures stops the rollout now, not when the data runs out
+            self.runner.failures.check(self.runner.policy, self.s.need * len(item.samples), self.what)
 
     async def _generate(self, groups: list[Group], what: str, names: list[str] | None = None) -> None:
         """Generate these whole groups in place (one request, or each by its generate function)."""
@@ -215,6 +233,9 @@ class _Run:
         except BaseException:
             self.cut = True  # generate functions start no new turn
             await self._abort_quietly([item for items in tasks.values() for item in items])
+            for task in tasks:  # the first error is the one reported; the others' are collected quietly
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return self._result(cutoff)
 

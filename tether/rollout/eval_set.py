@@ -13,7 +13,8 @@ from tether.rewards.scorer import Scorer
 from tether.rollout.data_source import PromptRow
 from tether.rollout.health import answer_counts
 from tether.rollout.results import sample_metrics
-from tether.sample import Sample
+from tether.errors import RolloutFailed
+from tether.sample import Sample, counted
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,10 +34,13 @@ def reported_ks(n: int) -> list[int]:
 
 
 def prompt_pass_rates(samples: list[Sample], n: int, threshold: float) -> list[dict]:
-    """One row per prompt: how many of its n responses passed, and its mean reward."""
+    """One row per prompt: how many of its n responses passed, and its mean reward (over the responses
+    that did not fail; a prompt whose every response failed has no row)."""
     rows = []
     for k in range(0, len(samples), n):
-        group = samples[k:k + n]
+        group = counted(samples[k:k + n])
+        if not group:
+            continue
         passed = sum(s.scored_reward() >= threshold for s in group)
         rows.append({"prompt_index": group[0].prompt_index, "prompt": group[0].prompt, "label": group[0].label,
                      "n": len(group), "passed": passed, "pass_rate": passed / len(group),
@@ -48,8 +52,9 @@ def pass_metrics(rows: list[dict], n: int, name: str) -> dict[str, float]:
     """eval/<name>/pass@k for every reported k (mean over prompts), from the per-prompt counts."""
     if n < 2:
         return {}
-    return {f"eval/{name}/pass@{k}": statistics.fmean(pass_at_k(r["n"], r["passed"], k) for r in rows)
-            for k in reported_ks(n)}
+    # A prompt that lost responses to failures has fewer than n: it counts for the k it still covers.
+    return {f"eval/{name}/pass@{k}": statistics.fmean(pass_at_k(r["n"], r["passed"], k) for r in rows if r["n"] >= k)
+            for k in reported_ks(n) if any(r["n"] >= k for r in rows)}
 
 
 class EvalSet:
@@ -86,17 +91,24 @@ class EvalSet:
 
     def summarize(self, groups: list[list[Sample]], extra: dict[str, float]) -> tuple[dict, list[Sample], list[dict], Counter]:
         """An eval's metrics under eval/<name>/ (``extra``: the rollout function's own), its samples, the
-        per-prompt pass rates and the answer counts."""
+        per-prompt pass rates and the answer counts. Scores are over the samples that did not fail
+        (``eval/<name>/failed`` counts the others); an eval whose every sample failed raises."""
         name = self.name
         samples = [s for group in groups for s in group]
+        scored = counted(samples)
+        if not scored:
+            first = samples[0].failure or {}
+            raise RolloutFailed(f"eval {name}: every one of its {len(samples)} samples failed, e.g. {samples[0].describe()}: "
+                                f"{first.get('kind')}: {first.get('error', '')[:400]}")
         n = len(groups[0])
         metrics: dict = {key if key.startswith(f"eval/{name}/") else f"eval/{name}/{key}": value
-                         for key, value in extra.items()}
-        metrics[f"eval/{name}/score"] = statistics.fmean(s.scored_reward() for s in samples)
+                         for key, value in extra.items() if not key.startswith("failures/")}
+        metrics[f"eval/{name}/failed"] = float(len(samples) - len(scored))
+        metrics[f"eval/{name}/score"] = statistics.fmean(s.scored_reward() for s in scored)
         metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
         metrics.update(sample_metrics(samples, f"eval/{name}"))
         prompts = prompt_pass_rates(samples, n, self.cfg.pass_threshold)
         metrics.update(pass_metrics(prompts, n, name))
-        answers = answer_counts(samples)
-        metrics[f"eval/{name}/constant_answer_score"] = self.constant_answer_score(samples, answers)
+        answers = answer_counts(scored)
+        metrics[f"eval/{name}/constant_answer_score"] = self.constant_answer_score(scored, answers)
         return metrics, samples, prompts, answers

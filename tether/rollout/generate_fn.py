@@ -32,6 +32,7 @@ the same tokens as the default.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import inspect
 import traceback
@@ -45,7 +46,10 @@ from tether.config import TetherConfig
 from tether.config.raw import resolve_spec
 from tether.engine.sampling import SamplingParams
 from tether.importing import load_function
+from tether.rollout.failures import EngineReplyError, FailurePolicy, classify
 from tether.rollout.fleet import sampling_payload
+from tether.progress import report_progress
+from tether.run.faults import CURRENT_SAMPLE, SampleCall
 from tether.sample import STATUS_OF_FINISH, Sample, SampleError
 
 FIELD = "rollout.custom_generate_fn"
@@ -106,7 +110,8 @@ class GenerateContext:
                    "rid": self.rid, "return_logprob": True}
         reply = await self.client.post(f"{self.url}/generate", json=payload, timeout=self._timeout_s)
         if reply.status_code != 200:
-            raise GenerateError(f"engine {self.url} answered {reply.status_code} to /generate: {reply.text[:500]}")
+            raise EngineReplyError(f"engine {self.url} answered {reply.status_code} to /generate: {reply.text[:500]}")
+        report_progress()
         out = reply.json()
         meta = out["meta_info"]
         finish = meta["finish_reason"]
@@ -177,9 +182,11 @@ class CustomGenerate:
     """The generate functions of a run, loaded once: the config's and those data rows name."""
 
     def __init__(self, default: str | None, rows: Iterable[tuple[str, str]] = (), tokenizer=None,
-                 cfg: TetherConfig | None = None):
-        """``rows``: (spec, "file:line") of each data row naming its own function (see ``resolve_rows``)."""
+                 cfg: TetherConfig | None = None, policy: FailurePolicy | None = None):
+        """``rows``: (spec, "file:line") of each data row naming its own function (see ``resolve_rows``);
+        ``policy``: retries and masking of failed samples (the config's ``rollout.failures`` by default)."""
         self.default, self.tokenizer, self.cfg = default, tokenizer, cfg
+        self.policy = policy or (FailurePolicy.from_config(cfg.rollout.failures) if cfg is not None else FailurePolicy())
         self.fns: dict[str, Callable] = {}
         if default:
             self.fns[default] = _load(default, FIELD)
@@ -217,8 +224,38 @@ class CustomGenerate:
 
     async def _one(self, spec, sample, sampling_params, url, client, rid, seed, is_cut, timeout_s,
                    evaluation) -> list[Sample]:
-        if sample.status in ("completed", "truncated"):  # carried over complete (partial rollout)
+        """One sample by its function: tried again from where it started while its failure's kind has
+        attempts left (tether/rollout/failures.py); a sample that still fails comes back failed."""
+        if sample.status in ("completed", "truncated") or sample.failed:  # carried over done (partial rollout)
             return [sample]
+        start = copy.deepcopy(sample)
+        retries: list[str] = []
+        while True:
+            trial = sample if not retries else copy.deepcopy(start)
+            token = CURRENT_SAMPLE.set(SampleCall((sample.rollout_id, sample.prompt_index, sample.sample_index),
+                                                  len(retries) + 1))
+            try:
+                produced = await self._attempt(spec, trial, sampling_params, url, client, rid, seed, is_cut,
+                                               timeout_s, evaluation)
+                failure = None
+            except GenerateError as err:
+                if _engine_lost(err):  # the group moves to another engine (group_runner.py)
+                    raise
+                failure, produced = (classify(err), str(err)), [trial]
+            finally:
+                CURRENT_SAMPLE.reset(token)
+            if failure is not None and len(retries) + 1 < self.policy.attempts(failure[0]):
+                retries.append(failure[0])
+                continue
+            for kind in retries:
+                produced[0].note_retry(kind)
+            if failure is not None:
+                trial.status = "failed"
+                trial.fail(failure[0], failure[1], len(retries) + 1)
+            return produced
+
+    async def _attempt(self, spec, sample, sampling_params, url, client, rid, seed, is_cut, timeout_s,
+                       evaluation) -> list[Sample]:
         ctx = GenerateContext(url=url, client=client, tokenizer=self.tokenizer, cfg=self.cfg,
                               rollout_id=sample.rollout_id, evaluation=evaluation, rid=rid, seed=seed,
                               is_cut=is_cut, timeout_s=timeout_s, budget=int(sampling_params["max_new_tokens"]))
@@ -244,6 +281,14 @@ class CustomGenerate:
             except SampleError as err:
                 raise GenerateError(f"{FIELD} '{spec}' returned a sample that cannot be trained on: {err}") from None
         return produced
+
+
+def _engine_lost(err: GenerateError) -> bool:
+    """A connection to the engine broke (not a timeout): the engine is gone, not the sample."""
+    cause = err.__cause__
+    while isinstance(cause, GenerateError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    return isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
 
 
 def row_spec(metadata, data_path: str) -> str | None:

@@ -21,7 +21,7 @@ from tether.cluster import Placement, actor_resources, dead_actors, key_env, log
 from tether.config import TetherConfig
 from tether.engine.backends import engine_spec, placed_engines, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
-from tether.run.faults import ENGINE_FAULT, ENGINE_UPDATE_FAULT, crash_point
+from tether.run.faults import ENGINE_FAULT, ENGINE_UPDATE_FAULT, INJECT_FAULTS, crash_point
 from tether.scheduling import wait_started
 from tether.rollout.manager import FAULTS, MANAGER_SECONDS, RolloutManager
 
@@ -49,13 +49,13 @@ def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
     return ray.remote(cls).options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
-                                   **actor_resources(c, share), **engine_env(c)).remote(**kwargs)
+                                   **actor_resources(c, share), **actor_env(c)).remote(**kwargs)
 
 
-def engine_env(c) -> dict:
-    """key_env, and the engine fault a test asked for (TETHER_ENGINE_FAULT, see tether/run/faults.py)."""
+def actor_env(c, faults: tuple[str, ...] = (ENGINE_FAULT, ENGINE_UPDATE_FAULT)) -> dict:
+    """key_env, and the faults a test asked for (``faults``: the variables passed on; tether/run/faults.py)."""
     options = key_env(c)
-    for name in (ENGINE_FAULT, ENGINE_UPDATE_FAULT):
+    for name in faults:
         if name in os.environ:
             env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
             env[name] = os.environ[name]
@@ -75,7 +75,8 @@ class RolloutHandle:
         self.load_weights: WeightLoader | None = None  # set once a trainer holds the weights
         # concurrency_groups is an actor option Ray's typed overloads of ray.remote leave out.
         manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)  # type: ignore[call-overload]
-        self.actor = manager.options(num_cpus=MANAGER_CPUS, **key_env(cfg.cluster)).remote(cfg.model_dump(mode="json"))
+        self.actor = manager.options(num_cpus=MANAGER_CPUS, **actor_env(cfg.cluster, (INJECT_FAULTS,))).remote(
+            cfg.model_dump(mode="json"))
         try:
             self.info = wait_started(self.actor.data_info.remote(), self.actor, {"CPU": MANAGER_CPUS}, self.timeout_s,
                                      "rollout manager start (loading data)")

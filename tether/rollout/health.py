@@ -18,7 +18,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tether.sample import Sample
+from tether.sample import Sample, counted
 
 
 @dataclass
@@ -53,7 +53,10 @@ def describe(sample: Sample) -> str:
 
 
 def group_rewards(samples: list[Sample], group_size: int) -> list[list[float]]:
-    return [[s.scored_reward() for s in samples[k : k + group_size]] for k in range(0, len(samples), group_size)]
+    """Each group's rewards, without its failed samples (a group with none left is left out)."""
+    groups = [[s.scored_reward() for s in samples[k : k + group_size] if not s.failed]
+              for k in range(0, len(samples), group_size)]
+    return [g for g in groups if g]
 
 
 def neg_logprob_mean(samples: list[Sample]) -> float:
@@ -86,8 +89,12 @@ class RolloutHealth:
         return started
 
     def after_rollout(self, rollout_id: int, samples: list[Sample]) -> tuple[dict[str, float], list[str]]:
-        """Metrics of the rollout's learning signal and the warnings that start with it."""
+        """Metrics of the rollout's learning signal and the warnings that start with it (over the samples
+        that did not fail)."""
         groups = group_rewards(samples, self.group_size)
+        samples = counted(samples)
+        if not samples:
+            return {}, []
         flat = [g[0] for g in groups if len(set(g)) == 1]
         zero_std = len(flat) / len(groups)
         # Groups that all fail are a run that cannot learn; groups that all succeed are a solved task.

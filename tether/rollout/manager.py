@@ -28,6 +28,7 @@ from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.dumps import Dumps
 from tether.rollout.engine_watch import EngineWatch
 from tether.rollout.eval_set import EvalSet
+from tether.rollout.failures import FailurePolicy, check_trained
 from tether.rollout.filters import load_filter
 from tether.rollout.fleet import EngineFleet, prefix_cache_metrics
 from tether.rollout.generate_fn import CustomGenerate, takes_evaluation
@@ -39,7 +40,8 @@ from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDa
                                        RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.rollout.stream import STREAM_STATE, StreamSettings
 from tether.rollout.user_functions import check_user_functions, make_scorer, score_shaped
-from tether.sample import Sample
+from tether.errors import RolloutFailed
+from tether.sample import Sample, counted
 from tether.trainer.batch import TrainBatch
 
 __all__ = ["RolloutManager", "check_user_functions", "DATA_STATE"]
@@ -82,7 +84,8 @@ class RolloutManager:
         eval_rows = [(e, loaded.rows) for e, loaded in zip(self.cfg.eval.datasets, eval_loaded)]
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path or "data") if self.data is not None else []
         row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path or f"eval {e.name}")]
-        self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg)
+        self.policy = FailurePolicy.from_config(r.failures)
+        self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg, self.policy)
                        if r.custom_generate_fn or row_fns else None)
         self.fleet: EngineFleet | None = None
         self.mode = make_mode(r.schedule, self._stream_settings)
@@ -108,7 +111,7 @@ class RolloutManager:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue)
         self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s)
-        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom)
+        self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom, self.policy)
         self.mode.connect(fleet=self.fleet, data=self.data, params=self.params, keep=self.keep, custom=self.custom,
                           score=partial(score_shaped, self.scorer, self.cfg))
 
@@ -118,7 +121,7 @@ class RolloutManager:
                               start_per_take=r.groups_to_start, max_in_flight=r.max_concurrent_groups,
                               stale_groups=schedule.stale_groups, groups_per_request=r.groups_per_request,
                               pause_mode=schedule.pause_mode, seed=self.cfg.seed,
-                              timeout_s=self.cfg.cluster.call_timeout_s)
+                              timeout_s=self.cfg.cluster.call_timeout_s, policy=FailurePolicy.from_config(r.failures))
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch
@@ -127,6 +130,11 @@ class RolloutManager:
         if self.fleet is None:
             raise RuntimeError("the rollout manager has no engines yet (connect_engines first)")
         return self.fleet
+
+    def _require_driver(self) -> GroupDriver:
+        if self.driver is None:
+            raise RuntimeError("the rollout manager has no engines yet (connect_engines first)")
+        return self.driver
 
     def _require_data(self) -> DataSource:
         if self.data is None:
@@ -155,21 +163,35 @@ class RolloutManager:
         ctx = self._context(rollout_id, False, self.params, self._seed(rollout_id, 0),
                             partial(score_shaped, self.scorer, self.cfg), f"rollout {rollout_id}")
         start = time.perf_counter()
-        out = self._call(ctx, RolloutDataSource(data, self.buffer, rollout_id), False, "rollout")
-        return self._finish(rollout_id, out.groups, dict(out.metrics), out.warnings, epoch, start)
+        driver = self._require_driver()
+        driver.take_failures()  # from a rollout function's earlier calls, if any
+        try:
+            out = self._call(ctx, RolloutDataSource(data, self.buffer, rollout_id), False, "rollout")
+        except RolloutFailed as err:  # a storm of failures: the samples that failed, for the record
+            raise RolloutFailed(f"{err}\n{self._dump_failures(rollout_id, driver.take_failures().rows)}") from None
+        failed = driver.take_failures().rows
+        return self._finish(rollout_id, out.groups, dict(out.metrics), out.warnings, epoch, start, failed=failed)
+
+    def _dump_failures(self, rollout_id: int, rows: list[dict]) -> str:
+        name = f"rollout_{rollout_id:06d}_failures.jsonl"
+        self.dumps.rows(rows, name)
+        return f"(every failed sample, with its error: {self.dumps.dir / name})"
 
     def _finish(self, rollout_id: int, groups: list[list[Sample]], metrics: dict, warnings: list[str], epoch: int,
-                start: float, dump_extra: list[dict] | None = None) -> tuple[TrainBatch, dict[str, float]]:
+                start: float, dump_extra: list[dict] | None = None,
+                failed: list[dict] | None = None) -> tuple[TrainBatch, dict[str, float]]:
         """A rollout's groups to its TrainBatch: post-process, metrics, health checks, the dump
-        (``dump_extra``: more fields for each group's rows)."""
+        (``dump_extra``: more fields for each group's rows; ``failed``: the rows of the samples that
+        failed, dumped on their own as well)."""
         r = self.cfg.rollout
         post_start = time.perf_counter()
         samples = [s for group in groups for s in group]
-        self.scorer.post_process(samples)
-        if r.overlong_buffer_len is not None:
+        scored = counted(samples)  # failed samples have no reward (tether/rollout/failures.py)
+        self.scorer.post_process(scored)
+        if r.overlong_buffer_len is not None and scored:
             metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
                 overlong_penalty(s.response_length, r.max_response_len, r.overlong_buffer_len,
-                                 r.overlong_penalty_factor) for s in samples)
+                                 r.overlong_penalty_factor) for s in scored)
         metrics.update(rollout_metrics(samples))
         health, metrics["warnings"] = self.health.after_rollout(rollout_id, samples)
         metrics["warnings"] = warnings + metrics["warnings"]
@@ -178,7 +200,12 @@ class RolloutManager:
         extra = dump_extra or [{}] * len(groups)
         self.dumps.rows([{**s.to_dict(), **more} for group, more in zip(groups, extra) for s in group],
                         f"rollout_{rollout_id:06d}.jsonl")
+        where = self._dump_failures(rollout_id, failed) if failed else ""
         self.dumps.prune_old("rollout_")
+        try:
+            metrics["rollout/trained_frac"] = check_trained(samples, self.policy, f"rollout {rollout_id}")
+        except RolloutFailed as err:
+            raise RolloutFailed(f"{err}\n{where}") from None
         batch = to_train_batch(samples, self._group_size(groups), r.temperature)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
@@ -197,12 +224,12 @@ class RolloutManager:
     def stream_take(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """The next rollout from the stream (called with num_returns=2, like generate)."""
         start = time.perf_counter()
-        flights, metrics, dropped = self._stream_mode().take(rollout_id)
+        flights, metrics, dropped, failed = self._stream_mode().take(rollout_id)
         if dropped:  # which prompts went untrained, for the record
             self.dumps.rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
                             f"rollout_{rollout_id:06d}_dropped_stale.jsonl")
         return self._finish(rollout_id, [f.samples for f in flights], metrics, [], max(f.epoch for f in flights),
-                            start, [{"epoch": f.epoch, "draw": f.seq} for f in flights])
+                            start, [{"epoch": f.epoch, "draw": f.seq} for f in flights], failed)
 
     def stream_pause(self) -> None:
         self.watch.set_active(False)  # a paused engine does not generate: its heartbeat would fail
@@ -258,15 +285,16 @@ class RolloutManager:
             ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
                                 eval_set.scorer.score_group, f"eval {name} at rollout {rollout_id}")
             out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
+            self._require_driver().take_failures()  # an eval's failed samples are in its own dump
             scores, samples, prompts, answers = eval_set.summarize(out.groups, out.metrics)
             metrics.update(scores)
             health, warnings = self.health.after_eval(
-                name, samples, scores[f"eval/{name}/score"], scores[f"eval/{name}/constant_answer_score"],
+                name, counted(samples), scores[f"eval/{name}/score"], scores[f"eval/{name}/constant_answer_score"],
                 eval_set.cfg.reward or self.cfg.rollout.reward, rollout_id)
             metrics.update(health)
             metrics["warnings"] += warnings
             self.dumps.samples(samples, f"eval_{name}_{rollout_id:06d}.jsonl")
-            self.dumps.answers(samples, answers, f"eval_{name}_{rollout_id:06d}_answers.json")
+            self.dumps.answers(counted(samples), answers, f"eval_{name}_{rollout_id:06d}_answers.json")
             self.dumps.rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
             self.dumps.prune_old(f"eval_{name}_")
         metrics["timing/eval_s"] = time.perf_counter() - start

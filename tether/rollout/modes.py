@@ -55,9 +55,9 @@ class StreamMode:
             raise RuntimeError("the rollout stream starts with the engines (connect_engines) and needs prompt data")
         return self.stream
 
-    def take(self, rollout_id: int) -> tuple[list[Flight], dict[str, float], list[Flight]]:
-        """The next rollout's groups (numbered as placed in the trained batch), their metrics, and the
-        stale groups dropped since the last take (for the record)."""
+    def take(self, rollout_id: int) -> tuple[list[Flight], dict[str, float], list[Flight], list[dict]]:
+        """The next rollout's groups (numbered as placed in the trained batch), their metrics, the
+        stale groups dropped since the last take and the samples that failed since (for the record)."""
         stream = self.require()
         flights, metrics = stream.take(rollout_id)
         groups = [f.samples for f in flights]
@@ -67,7 +67,7 @@ class StreamMode:
         metrics.update(staleness_metrics(groups, rollout_id))
         dropped = list(stream.dropped)
         stream.dropped.clear()
-        return flights, metrics, dropped
+        return flights, metrics, dropped, stream.taken_failures.rows
 
     def state_dict(self) -> dict | None:
         return self.stream.state_dict() if self.stream is not None else None

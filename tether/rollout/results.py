@@ -5,16 +5,17 @@ from __future__ import annotations
 import statistics
 
 from tether.config import TetherConfig
-from tether.sample import Sample
+from tether.sample import RETRIES, Sample, counted
 from tether.trainer.batch import TrainBatch
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = [s.scored_reward() for s in samples]
+    """Rewards over the samples that did not fail (a failed one has none); lengths over all."""
+    rewards = [s.scored_reward() for s in counted(samples)]
     lengths = [s.response_length for s in samples]
     metrics = {
-        "rollout/reward_mean": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "rollout/reward_std": statistics.pstdev(rewards) if rewards else float("nan"),
         "rollout/response_len_mean": statistics.fmean(lengths),
         "rollout/response_len_max": float(max(lengths)),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
@@ -30,8 +31,8 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
 
 def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
     """The mean of each number generate functions recorded in `Sample.metrics`, over the samples that
-    have it (a tool-call count, turns per sample)."""
-    names = sorted({k for s in samples for k in s.metrics})
+    have it (a tool-call count, turns per sample); retry counts go to failures/retried/<kind>."""
+    names = sorted({k for s in samples for k in s.metrics if not k.startswith(RETRIES)})
     return {f"{prefix}/{k}_mean": statistics.fmean(float(s.metrics[k]) for s in samples if k in s.metrics)
             for k in names}
 
@@ -42,7 +43,8 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         prompt_lengths=[len(s.prompt_ids) for s in samples],
         response_lengths=[s.response_length for s in samples],
         group_size=group_size,
-        rewards=[s.scored_reward() for s in samples],
+        # A failed sample has no reward: excluded below, its place holder is never read.
+        rewards=[0.0 if s.failed else s.scored_reward() for s in samples],
         rollout_logprobs=[list(s.response_logprobs) for s in samples],
         temperature=temperature,
         sample_ids=[(s.prompt_index, s.sample_index) for s in samples],

@@ -51,9 +51,10 @@ from tether.http.client import async_client, engine_headers, pool_limits
 from tether.rollout.data_source import DataSource
 from tether.rollout.fleet import EngineFleet
 from tether.rollout.generate_fn import CustomGenerate
+from tether.rollout.failures import FailureLog, FailurePolicy
 from tether.rollout.group_runner import GroupRunner
 from tether.sample import Sample, sample_from_dict
-from tether.errors import TIMEOUTS
+from tether.errors import TIMEOUTS, RolloutStalled
 
 Group = list[Sample]
 STREAM_STATE = "rollout_stream.json"  # an older checkpoint's file; now the "stream" of data_source.json
@@ -110,6 +111,8 @@ class StreamSettings:
     pause_mode: Literal["in_place", "recompute"]
     seed: int
     timeout_s: float
+    policy: FailurePolicy = FailurePolicy()
+    """Retries, masking and budgets of failed samples (rollout.failures); the budgets count per take."""
 
 
 class RolloutStream:
@@ -117,7 +120,8 @@ class RolloutStream:
                  score: Callable[[Group], Awaitable[None]], keep: Callable[[Group], tuple[bool, str]],
                  custom: CustomGenerate | None = None):
         self.fleet, self.data, self.params, self.s = fleet, data, params, settings
-        self.runner = GroupRunner(fleet, params, score, keep, settings.timeout_s, custom)
+        self.runner = GroupRunner(fleet, params, score, keep, settings.timeout_s, custom, policy=settings.policy,
+                                  what="rollout stream")
         self.position = (0, 0)  # (epoch, offset) of the next prompt to draw
         self.next_seq = 0
         self.queue: deque[Flight] = deque()  # to (re)start before new prompts, oldest first
@@ -130,6 +134,7 @@ class RolloutStream:
         self.counts: Counter = Counter()  # since the last take
         self.totals: Counter = Counter()
         self.dropped: list[Flight] = []  # stale groups dropped since the last take
+        self.taken_failures = FailureLog()  # the failed samples judged before the last take
         self.error: BaseException | None = None
         self.busy_s = 0.0  # engines generating stream groups, unpaused
         self._busy_from: float | None = None
@@ -179,6 +184,16 @@ class RolloutStream:
         self.client = async_client(self.s.timeout_s, limits=pool_limits(max_connections=None, max_keepalive=64),
                                    headers=engine_headers())
         self.changed = asyncio.Event()
+        self.runner.watchdog.active = False
+        self.stall_watch = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """The stall watchdog, while the stream runs unpaused: a stall fails the next take."""
+        try:
+            await self.runner.watchdog.run()
+        except RolloutStalled as err:
+            self.error = err
+            self.changed.set()
 
     async def _close(self) -> None:
         self.paused = True
@@ -197,6 +212,8 @@ class RolloutStream:
     def _set_paused(self, paused: bool) -> None:
         self._account()
         self.paused = paused
+        self.runner.watchdog.active = not paused
+        self.runner.watchdog.progress()
         self._account()
 
     def _account(self) -> None:
@@ -290,6 +307,8 @@ class RolloutStream:
             self.ready.append(flight)
         else:
             self.counts[f"dropped/{reason or 'filtered'}"] += 1
+        self.runner.failures.check(self.s.policy, self.s.need * len(flight.samples),
+                                   f"rollout stream, before take {self.next_take}")
 
     def _requeue(self, flight: Flight) -> None:
         """Back to the queue, in draw order (a continued group keeps its partial responses)."""
@@ -350,6 +369,8 @@ class RolloutStream:
                         "async/generating_groups": float(len(self.running)),
                         "async/dropped_stale_frac": dropped / max(1, dropped + self.totals["taken"]),
                         "async/engine_busy_s": self.busy_s})
+        metrics.update(self.runner.failures.metrics())
+        self.taken_failures, self.runner.failures = self.runner.failures, FailureLog()
         self.counts.clear()
         self.busy_s = 0.0
         return metrics

@@ -15,7 +15,7 @@ from tether.rollout.data_source import DatasetError, read_rows
 from tether.rollout.filters import FilterError, load_filter
 from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
 from tether.rollout.rollout_fn import RolloutFnLoadError, load_rollout_fn
-from tether.sample import Sample
+from tether.sample import Sample, counted
 
 
 def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "rollout.reward") -> Scorer:
@@ -23,7 +23,8 @@ def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "roll
     r = cfg.rollout
     return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
                   post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
-                  retries=r.reward_retries, field=field if reward else "rollout.reward", args=cfg.args)
+                  retries=r.reward_retries, field=field if reward else "rollout.reward", args=cfg.args,
+                  attempts=r.failures.max_attempts if "reward" in r.failures.retry else 1)
 
 
 async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
@@ -31,14 +32,15 @@ async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -
     group whose generate function set every sample's reward keeps those (checked like any reward).
     (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
     r = cfg.rollout
-    if all(s.reward is not None for s in group):
-        for s in group:
+    live = counted(group)  # a failed sample gets no reward (tether/rollout/failures.py)
+    if live and all(s.reward is not None for s in live):
+        for s in live:
             set_reward(s, s.reward_info if s.reward_info is not None else s.reward,
                        r.custom_generate_fn or "generate function", r.reward_key)
     else:
         await scorer.score_group(group)
     if r.overlong_buffer_len is not None:
-        apply_overlong_penalty(group, r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+        apply_overlong_penalty(counted(group), r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
 
 
 def check_user_functions(cfg: TetherConfig) -> None:

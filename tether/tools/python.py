@@ -14,8 +14,9 @@ What is enforced, whatever the program does (the separate process and the kernel
   stdout, the tail of stderr), saying how much was cut; a program that prints 1 MiB beyond the cap is
   killed, so a huge print costs the caller neither memory nor time (only output cut short by that
   kill makes ok=False; a program that exits 0 with a trimmed output is still ok);
-- the caller is never taken down: every failure is the tool's output with ok=False, and a cancelled call
-  kills the program too.
+- the caller is never taken down: every failure of the program is the tool's output with ok=False, and
+  a cancelled call kills the program too. Only a sandbox that cannot start at all raises ToolFailure
+  (the sample is retried, then masked: tether/rollout/failures.py).
 
 What is refused by an audit hook (`sys.addaudithook`, installed before the program runs; the program
 sees "PermissionError: the sandbox does not allow os.system (no new processes)"): os.system,
@@ -55,6 +56,7 @@ import sys
 import tempfile
 from typing import Any
 
+from tether.errors import ToolFailure
 from tether.tools.base import Tool, ToolResult
 
 NOBODY = 65534
@@ -192,10 +194,13 @@ class PythonSandbox(Tool):
             if user is not None:
                 os.chown(workdir, user, user)
             ids: dict[str, Any] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(self.max_processes if user else -1), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=_environment(workdir),
-                start_new_session=True, **ids)  # its own session and group: killpg reaches all it started
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._command(self.max_processes if user else -1), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=_environment(workdir),
+                    start_new_session=True, **ids)  # its own session and group: killpg reaches all it started
+            except OSError as err:  # no process (out of PIDs or memory, no interpreter): not the program's doing
+                raise ToolFailure(f"tool {self.name}: the sandbox could not start {self.python}: {err}") from err
             try:
                 return await self._communicate(proc, code)
             finally:
