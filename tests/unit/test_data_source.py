@@ -286,3 +286,16 @@ def test_sft_rows_read_parquet_too(tmp_path, tok):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "response": 3}]), tmp_path / "sft.parquet")
     with pytest.raises(DatasetError, match=r"sft\.parquet row 1: field 'response' must be a string"):
         load_sft_rows(config_from_dict(raw), tok)
+
+
+def test_a_row_without_metadata_gives_its_other_fields(tmp_path, tok):
+    """TRL, verl and SkyRL datasets keep what rewards and environments need in columns of their own."""
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "1+1=?", "answer": "2", "task": "add", "reward_model": {"ground_truth": "2", "style": "rule"}},
+        {"prompt": "2+2=?", "answer": "4", "metadata": {"src": "b"}, "task": "add"},
+        {"prompt": "3+3=?", "answer": "6", "metadata": None},
+    ])
+    rows, _, _ = load_prompt_rows(path, tok, label_key="reward_model.ground_truth")
+    assert rows[0].label == "2" and rows[0].metadata == {"answer": "2", "task": "add"}  # the label's field left out
+    assert rows[1].metadata == {"src": "b"}  # a metadata field is the metadata, as before
+    assert rows[2].metadata == {}

@@ -123,3 +123,52 @@ def test_functions_get_the_configs_args_when_they_name_the_parameter(tmp_path):
                               "args": {"x": 1}})
     asyncio.run(make_scorer(plain).score_group(group))
     assert [s.reward for s in group] == [1.0, 1.0]
+
+
+TRL_REWARDS = '''
+def length_or_none(prompts, completions, completion_ids, answer, **kwargs):
+    kwargs["log_metric"]("seen", len(completions))
+    return [None if a is None else float(len(ids)) for a, ids in zip(answer, completion_ids)]
+
+def chat(completions, task, **kwargs):
+    return [float(c[0]["role"] == "assistant" and c[0]["content"] == "ok" and t == "add")
+            for c, t in zip(completions, task)]
+
+async def async_batch(prompts, completions):
+    return [1.0 for _ in completions]
+'''
+
+
+def test_trl_batched_rewards_score_a_group_with_its_columns(tmp_path):
+    import asyncio
+
+    from tether.rewards.scorer import Scorer
+
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_REWARDS)
+    group = [Sample(prompt_index=0, sample_index=j, prompt="q", label=label, metadata={"task": "add"}, prompt_ids=[1],
+                    response_ids=[5] * (j + 1), response_logprobs=[-1.0] * (j + 1), response_text="ok")
+             for j, label in enumerate(["1", None, "3"])]
+    asyncio.run(Scorer(f"{path}:length_or_none", label_key="answer").score_group(group))
+    assert [s.reward for s in group] == [1.0, None, 3.0]
+    assert group[1].failure["kind"] == "unscored" and group[1].remove  # None: not scored, left out
+    assert all(s.metrics["seen"] == 3.0 for s in group)
+    chat = [Sample(prompt_index=0, sample_index=j, prompt=[{"role": "user", "content": "q"}], label=None,
+                   metadata={"task": "add"}, prompt_ids=[1], response_text="ok") for j in range(2)]
+    asyncio.run(Scorer(f"{path}:chat").score_group(chat))
+    assert [s.reward for s in chat] == [1.0, 1.0]
+    fresh = [Sample(prompt_index=0, sample_index=0, prompt="q", label=None, metadata={}, prompt_ids=[1])]
+    asyncio.run(Scorer(f"{path}:async_batch").score_group(fresh))
+    assert fresh[0].reward == 1.0
+
+
+def test_verl_extra_info_is_the_rows_own_field():
+    from tether.rewards.signature import adapt_reward
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return float(extra_info == {"split": "train"} and data_source == "gsm8k")
+
+    fn = adapt_reward(compute_score, "compute_score", ValueError)
+    s = Sample(prompt_index=0, sample_index=0, prompt="q", label="1", prompt_ids=[1], response_text="1",
+               metadata={"data_source": "gsm8k", "extra_info": {"split": "train"}, "ability": "math"})
+    assert fn(s) == 1.0

@@ -62,6 +62,14 @@ def resolve_function_specs(raw: dict, base: Path) -> dict:
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
             node[key] = resolve_spec(node[key], base)
+    environment = raw["rollout"].get("environment") if isinstance(raw.get("rollout"), dict) else None
+    factory = environment.get("factory") if isinstance(environment, dict) else None
+    if not isinstance(environment, dict):
+        pass
+    elif isinstance(factory, str):
+        environment["factory"] = resolve_spec(factory, base)
+    elif isinstance(factory, dict):
+        environment["factory"] = {k: resolve_spec(v, base) if isinstance(v, str) else v for k, v in factory.items()}
     datasets = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
     for dataset in datasets if isinstance(datasets, list) else []:
         if isinstance(dataset, dict) and "reward" in dataset:

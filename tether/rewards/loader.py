@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from tether.importing import load_function
 from tether.rewards.builtin import BUILTIN_REWARDS
-from tether.rewards.signature import adapt_reward, resolve
+from tether.rewards.signature import adapt_reward, is_batched, resolve
 from tether.sample import Sample
 
 RewardFn = Callable[[Sample], float]
@@ -49,7 +49,11 @@ def load_reward_fn(spec: str, args: dict | None = None) -> RewardFn:
             f"{sorted(BUILTIN_REWARDS)}, or use 'package.module:function' or "
             f"'path/to/file.py:function'"
         )
-    return adapt_reward(load_function(spec, "reward", RewardLoadError, args), spec, RewardLoadError)
+    fn = load_function(spec, "reward", RewardLoadError, args)
+    if is_batched(fn):  # TRL's form: the scorer calls it once per group
+        fn.batched = True  # type: ignore[attr-defined]  # read back by the scorer
+        return fn
+    return adapt_reward(fn, spec, RewardLoadError)
 
 
 def compute_rewards(fn: RewardFn, samples: Sequence[Sample], fn_name: str, key: str | None = None) -> list[float]:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from tether.importing import load_function
 from tether.rewards.loader import RewardError, RewardLoadError, load_reward_fn, reward_raised, set_reward
 from tether.rewards.remote import RemoteReward, is_remote
-from tether.rewards.signature import is_async, resolve
+from tether.rewards.signature import batched_reward, is_async, resolve
 from tether.errors import TIMEOUTS
 from tether.run.faults import inject_fault
 from tether.sample import UNSCORED, Sample
@@ -32,9 +32,11 @@ from tether.sample import UNSCORED, Sample
 class Scorer:
     def __init__(self, reward: str, *, group_reward: str | None = None, reward_key: str | None = None,
                  post_process: str | None = None, timeout_s: float = 60.0, retries: int = 2,
-                 field: str = "rollout.reward", args: dict | None = None, attempts: int = 1):
+                 field: str = "rollout.reward", args: dict | None = None, attempts: int = 1,
+                 label_key: str = "label"):
         """``args``: the config's ``args:``, given to a function with a parameter of that name;
-        ``attempts``: tries at a sample's reward before it is failed (rollout.failures)."""
+        ``attempts``: tries at a sample's reward before it is failed (rollout.failures); ``label_key``:
+        the keyword a TRL-style batched reward gets the labels under."""
         self.attempts = attempts
         self.key = reward_key
         self.timeout_s = timeout_s
@@ -46,6 +48,9 @@ class Scorer:
         self.fn = None if self.remote or group_reward else _named(lambda s: load_reward_fn(s, args), reward, field)
         self.group_fn = _named(lambda s: load_function(s, "group reward", RewardLoadError, args), group_reward,
                                "rollout.group_reward") if group_reward else None
+        if getattr(self.fn, "batched", False):  # TRL's batched form: a function of the group, called once
+            assert self.fn is not None
+            self.group_fn, self.fn = batched_reward(self.fn, label_key), None
         self.post_fn = _named(lambda s: load_function(s, "reward post-process", RewardLoadError, args), post_process,
                               "rollout.reward_post_process") if post_process else None
         self.post_spec = post_process
@@ -121,13 +126,14 @@ class Scorer:
                 out.append(reward_raised(self.spec, sample, exc))
         return out
 
-    def score(self, samples: list[Sample], group_size: int) -> list[float]:
-        """``score_group`` for each group, outside an event loop (the eval's constant-answer check)."""
+    def score(self, samples: list[Sample], group_size: int) -> list[float | None]:
+        """``score_group`` for each group, outside an event loop (the eval's constant-answer check); None
+        for a sample that got no reward."""
         async def run() -> None:
             for k in range(0, len(samples), group_size):
                 await self.score_group(samples[k:k + group_size])
         asyncio.run(run())
-        return [s.scored_reward() for s in samples]
+        return [None if s.failed else s.scored_reward() for s in samples]
 
     async def _one_async(self, fn: Callable[[Sample], Any], sample: Sample) -> Any:
         try:
@@ -143,10 +149,10 @@ class Scorer:
                 values = await asyncio.get_running_loop().run_in_executor(
                     self._threads, lambda: resolve(group_fn(samples)))
         except Exception as exc:
-            raise RewardError(f"rollout.group_reward '{self.group_spec}' raised {type(exc).__name__}: {exc} "
+            raise RewardError(f"{self.field} '{self.spec}' raised {type(exc).__name__}: {exc} "
                               f"(group of rollout {samples[0].rollout_id}, prompt_index={samples[0].prompt_index})") from exc
         if not isinstance(values, (list, tuple)) or len(values) != len(samples):
-            raise RewardError(f"rollout.group_reward '{self.group_spec}' returned {values!r:.200} for a group of "
+            raise RewardError(f"{self.field} '{self.spec}' returned {values!r:.200} for a group of "
                               f"{len(samples)} samples; expected a list of {len(samples)} rewards")
         return list(values)
 

@@ -9,7 +9,15 @@ text and the label instead, so the function's signature decides how it is called
     def compute_score(data_source, solution_str, ground_truth, extra_info=None): ...   # verl's form
 
 Recognised parameter names: sample; prompt; response, response_text, completion, solution_str;
-label, ground_truth, answer, reference; metadata, extra_info; data_source (metadata["data_source"]).
+label, ground_truth, answer, reference; metadata; extra_info (metadata["extra_info"] when the row has
+one, else the metadata); data_source (metadata["data_source"]).
+
+TRL's batched form is recognised by its plural parameters (prompts, completions, completion_ids):
+
+    def reward(prompts, completions, completion_ids, **columns) -> list[float | None]: ...
+
+called once per group with one entry per sample; ``columns`` holds the label (under data.label_key's
+name) and every metadata field, as lists, and ``log_metric``; None means "not scored".
 An ``async def`` reward is awaited: the rollout runs those of many samples concurrently.
 """
 
@@ -26,10 +34,14 @@ _FIELDS: dict[str, Callable[[Sample], Any]] = {
     "prompt": lambda s: s.prompt,
     **{name: (lambda s: s.response_text) for name in ("response", "response_text", "completion", "solution_str")},
     **{name: (lambda s: s.label) for name in ("label", "ground_truth", "answer", "reference")},
-    **{name: (lambda s: s.metadata) for name in ("metadata", "extra_info")},
+    "metadata": lambda s: s.metadata,
+    # A verl row's own extra_info field (its other fields are the metadata of a row without one).
+    "extra_info": lambda s: s.metadata.get("extra_info", s.metadata),
     "data_source": lambda s: s.metadata.get("data_source"),
 }
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+BATCHED = ("prompts", "completions", "completion_ids")
+"""Parameter names of TRL's reward functions, called once for a batch (here: a group)."""
 
 
 def resolve(value: Any) -> Any:
@@ -76,3 +88,45 @@ def _adapt(fn: Callable, spec: str, error: type[Exception]) -> Callable[[Sample]
     raise error(f"reward spec '{spec}': cannot tell how to call {getattr(fn, '__name__', fn)}{inspect.signature(fn)}; "
                 "write fn(sample), fn(response, label), or name its parameters from "
                 f"{sorted(_FIELDS)}")
+
+
+def is_batched(fn: Callable) -> bool:
+    """Whether ``fn`` is written in TRL's batched form (a parameter named prompts, completions or
+    completion_ids)."""
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in names for name in BATCHED)
+
+
+def batched_reward(fn: Callable, label_key: str = "label") -> Callable[[list[Sample]], Any]:
+    """A TRL-style batched reward as a function of a group's samples, returning its list of rewards
+    (awaitable when ``fn`` is async). A conversational prompt (a list of messages) gets its completion
+    as [{"role": "assistant", "content": text}], as TRL gives it; ``label_key``: the keyword the
+    label is passed under (the dataset column's name)."""
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    column = label_key if label_key.isidentifier() else "label"
+
+    def arguments(samples: list[Sample]) -> dict[str, Any]:
+        chat = isinstance(samples[0].prompt, list)
+        values: dict[str, Any] = {k: [s.metadata.get(k) for s in samples]
+                                  for k in sorted({k for s in samples for k in s.metadata if isinstance(k, str)})}
+
+        def log_metric(name: str, value: float) -> None:  # averaged over the rollout like Sample.metrics
+            for s in samples:
+                s.metrics[name] = float(value)
+
+        values.update({column: [s.label for s in samples], "prompts": [s.prompt for s in samples],
+                       "completions": [[{"role": "assistant", "content": s.response_text}] if chat else s.response_text
+                                       for s in samples],
+                       "completion_ids": [list(s.response_ids) for s in samples], "log_metric": log_metric,
+                       "trainer_state": None})
+        return values if takes_all else {k: v for k, v in values.items() if k in params}
+
+    if inspect.iscoroutinefunction(fn):
+        async def call_async(samples: list[Sample]) -> Any:
+            return await fn(**arguments(samples))
+        return call_async
+    return lambda samples: fn(**arguments(samples))

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, model_validator
 
 from tether.config.base import Section
+from tether.envs.config import Environment
 
 
 class SyncSchedule(Section):
@@ -165,6 +166,9 @@ class RolloutConfig(Section):
     file.py:function ``async def generate(ctx, sample, sampling_params[, evaluation]) -> Sample |
     list[Sample]`` (slime's custom generate function; tether/rollout/generate_fn.py). A data row's
     metadata "generate_fn" overrides it for that row. None: one /generate call per sample."""
+    environment: Environment | None = None
+    """An environment from another library generates each sample (TRL environment classes, skyrl-gym),
+    keyed on its ``type`` (docs/environments.md); instead of custom_generate_fn."""
     custom_rollout_fn: str | None = None
     """Your own rollout step: a module:function or file.py:function ``[async] def rollout(ctx, rollout_id,
     data_source, evaluation=False) -> list[list[Sample]] | RolloutOutput`` returning the groups to train
@@ -226,6 +230,8 @@ class RolloutConfig(Section):
         if self.keep_order == "finish" and not self.partial_rollout:
             raise ValueError("rollout.keep_order: finish needs rollout.partial_rollout: true (the groups cut "
                              "short between kept ones are continued by the next rollout, not lost)")
+        if self.environment is not None and self.custom_generate_fn:
+            raise ValueError("rollout.environment and rollout.custom_generate_fn both generate the samples: set one")
         if self.custom_rollout_fn and self.partial_rollout:
             raise ValueError("rollout.partial_rollout is the built-in rollout's; with rollout.custom_rollout_fn, "
                              "hand unfinished groups back with data_source.add_samples(groups)")
@@ -234,3 +240,12 @@ class RolloutConfig(Section):
     @property
     def groups_to_start(self) -> int:
         return self.over_sampling_groups or self.prompts_per_rollout
+
+
+def generate_fn_spec(r: RolloutConfig) -> str | None:
+    """The run's generate function: the user's, the environment's, or None (the built-in path)."""
+    if r.environment is not None:
+        from tether.envs.config import GENERATE_FN
+
+        return GENERATE_FN[r.environment.type]
+    return r.custom_generate_fn

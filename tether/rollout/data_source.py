@@ -128,7 +128,7 @@ def load_prompt_rows(
         num_read += 1
         try:
             prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
-            metadata = _get_metadata(obj, where, metadata_key)
+            metadata = _get_metadata(obj, where, metadata_key, (prompt_key, label_key))
             text = render_prompt(tokenizer, fill_template(fmt, prompt, obj, where, prompt_key), fmt)
             prompt_ids = encode_text(tokenizer, text)
             if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
@@ -221,8 +221,13 @@ def _parse_line(raw: bytes) -> tuple[dict | None, str | None]:
     return obj, None
 
 
-def _get_metadata(obj: dict, where: str, metadata_key: str) -> dict:
-    """Extract the metadata dict of one row ({} when absent or null)."""
+def _get_metadata(obj: dict, where: str, metadata_key: str, taken: tuple[str, ...] = ()) -> dict:
+    """The metadata dict of one row: its ``metadata_key`` field; a row without one (a TRL, verl or SkyRL
+    dataset's) gives its other top-level fields instead (all but the prompt's and the label's, ``taken``),
+    as those libraries hand them to rewards and environments."""
+    if metadata_key not in obj:
+        tops = {key.split(".", 1)[0] for key in taken}
+        return {k: v for k, v in obj.items() if k not in tops}
     metadata = obj.get(metadata_key)
     if metadata is None:
         return {}

@@ -78,9 +78,9 @@ class EvalSet:
         candidates = list(dict.fromkeys([a for a, _ in answers.most_common(3)] + [a for a, _ in labels.most_common(3)]))
         for answer in candidates:
             if answer not in self._constant_scores:
-                copies = [replace(s, response_text=answer, metadata=dict(s.metadata)) for s in samples]
-                self._constant_scores[answer] = statistics.fmean(
-                    self.scorer.score(copies, self.cfg.n_samples_per_prompt))
+                copies = [replace(s, response_text=answer, metadata=dict(s.metadata), metrics={}) for s in samples]
+                scores = [x for x in self.scorer.score(copies, self.cfg.n_samples_per_prompt) if x is not None]
+                self._constant_scores[answer] = statistics.fmean(scores) if scores else 0.0
         return max(self._constant_scores[a] for a in candidates)
 
     def groups(self) -> list[list[Sample]]:

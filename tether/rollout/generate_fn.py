@@ -182,14 +182,15 @@ class CustomGenerate:
     """The generate functions of a run, loaded once: the config's and those data rows name."""
 
     def __init__(self, default: str | None, rows: Iterable[tuple[str, str]] = (), tokenizer=None,
-                 cfg: TetherConfig | None = None, policy: FailurePolicy | None = None):
+                 cfg: TetherConfig | None = None, policy: FailurePolicy | None = None, field: str = FIELD):
         """``rows``: (spec, "file:line") of each data row naming its own function (see ``resolve_rows``);
-        ``policy``: retries and masking of failed samples (the config's ``rollout.failures`` by default)."""
-        self.default, self.tokenizer, self.cfg = default, tokenizer, cfg
+        ``policy``: retries and masking of failed samples (the config's ``rollout.failures`` by default);
+        ``field``: the config field that named ``default``, in errors (rollout.environment for an environment's)."""
+        self.default, self.tokenizer, self.cfg, self.field = default, tokenizer, cfg, field
         self.policy = policy or (FailurePolicy.from_config(cfg.rollout.failures) if cfg is not None else FailurePolicy())
         self.fns: dict[str, Callable] = {}
         if default:
-            self.fns[default] = _load(default, FIELD)
+            self.fns[default] = _load(default, field)
         for spec, where in rows:
             if spec not in self.fns:
                 self.fns[spec] = _load(spec, f"{where}: metadata.{ROW_KEY}")
@@ -265,13 +266,13 @@ class CustomGenerate:
             if inspect.isawaitable(result):
                 result = await result
         except GenerateError as err:
-            raise GenerateError(f"{FIELD} '{spec}' on {sample.describe()}: {err}") from err
+            raise GenerateError(f"{self._field(spec)} '{spec}' on {sample.describe()}: {err}") from err
         except Exception as err:
-            raise GenerateError(f"{FIELD} '{spec}' raised {type(err).__name__}: {err}{_where(err)} "
+            raise GenerateError(f"{self._field(spec)} '{spec}' raised {type(err).__name__}: {err}{_where(err)} "
                                 f"({sample.describe()})") from err
         produced = result if isinstance(result, list) else [result]
         if not produced or not all(isinstance(s, Sample) for s in produced):
-            raise GenerateError(f"{FIELD} '{spec}' returned {result!r:.200} for {sample.describe()}; expected a "
+            raise GenerateError(f"{self._field(spec)} '{spec}' returned {result!r:.200} for {sample.describe()}; expected a "
                                 "Sample or a non-empty list of Samples")
         for s in produced:
             if s.status == "pending":
@@ -279,8 +280,11 @@ class CustomGenerate:
             try:
                 s.check_aligned()
             except SampleError as err:
-                raise GenerateError(f"{FIELD} '{spec}' returned a sample that cannot be trained on: {err}") from None
+                raise GenerateError(f"{self._field(spec)} '{spec}' returned a sample that cannot be trained on: {err}") from None
         return produced
+
+    def _field(self, spec: str) -> str:
+        return self.field if spec == self.default else f"metadata.{ROW_KEY}"
 
 
 def _engine_lost(err: GenerateError) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 
 from tether.config import ConfigError, TetherConfig, config_from_dict
+from tether.rollout.config import generate_fn_spec
 from tether.engine.sampling import SamplingParams
 from tether.models.hf import load_tokenizer
 from tether.rewards.shaping import overlong_penalty
@@ -85,8 +86,10 @@ class RolloutManager:
         row_fns = CustomGenerate.resolve_rows(self.data.rows, d.path or "data") if self.data is not None else []
         row_fns += [f for e, rows in eval_rows for f in CustomGenerate.resolve_rows(rows, e.path or f"eval {e.name}")]
         self.policy = FailurePolicy.from_config(r.failures)
-        self.custom = (CustomGenerate(r.custom_generate_fn, row_fns, self.tokenizer, self.cfg, self.policy)
-                       if r.custom_generate_fn or row_fns else None)
+        spec = generate_fn_spec(r)  # the user's generate function, or the environment's
+        self.custom = (CustomGenerate(spec, row_fns, self.tokenizer, self.cfg, self.policy,
+                                      "rollout.environment" if r.environment else "rollout.custom_generate_fn")
+                       if spec or row_fns else None)
         self.fleet: EngineFleet | None = None
         self.mode = make_mode(r.schedule, self._stream_settings)
         self.driver: GroupDriver | None = None

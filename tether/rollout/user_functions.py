@@ -24,7 +24,8 @@ def make_scorer(cfg: TetherConfig, reward: str | None = None, field: str = "roll
     return Scorer(reward or r.reward, group_reward=None if reward else r.group_reward, reward_key=r.reward_key,
                   post_process=None if reward else r.reward_post_process, timeout_s=r.reward_timeout_s,
                   retries=r.reward_retries, field=field if reward else "rollout.reward", args=cfg.args,
-                  attempts=r.failures.max_attempts if "reward" in r.failures.retry else 1)
+                  attempts=r.failures.max_attempts if "reward" in r.failures.retry else 1,
+                  label_key=cfg.data.label_key)
 
 
 async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
@@ -58,6 +59,11 @@ def check_user_functions(cfg: TetherConfig) -> None:
             load()
         except (RewardLoadError, FilterError, GenerateLoadError, RolloutFnLoadError, DatasetError) as err:
             problems.append(f"  {err}")
+    if cfg.rollout.environment is not None:
+        try:
+            check_environment(cfg.rollout.environment)
+        except (ValueError, ImportError) as err:
+            problems.append(f"  rollout.environment: {err}")
     if ":" in cfg.algorithm.policy_loss:
         from tether.algorithms.losses import get_policy_loss
 
@@ -67,6 +73,16 @@ def check_user_functions(cfg: TetherConfig) -> None:
             problems.append(f"  algorithm.policy_loss: {err}")
     if problems:
         raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
+
+
+def check_environment(environment) -> None:
+    """The environment's library is there and its factory or registered name resolves."""
+    import importlib
+
+    from tether.envs.config import GENERATE_FN
+
+    module = importlib.import_module(GENERATE_FN[environment.type].split(":")[0])
+    module.check(environment)
 
 
 def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:

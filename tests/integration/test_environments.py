@@ -1,0 +1,204 @@
+"""Environments from other libraries through rollout.environment, against a real engine server (no Ray):
+TRL environment classes and skyrl-gym (the real package) text environments, with exact tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from tests.integration import user_envs  # noqa: E402
+from tether.config import ConfigError, config_from_dict
+from tether.engine.sampling import SamplingParams
+from tether.envs.conversation import Conversation
+from tether.rollout.config import generate_fn_spec
+from tether.rollout.driver import GroupDriver, Schedule
+from tether.rollout.failures import FailurePolicy
+from tether.rollout.filters import keep_all
+from tether.rollout.fleet import EngineFleet
+from tether.rollout.generate_fn import CustomGenerate, GenerateContext
+from tether.rollout.user_functions import check_user_functions
+from tether.models.hf import load_tokenizer
+from tether.sample import Sample
+
+pytestmark = pytest.mark.integration
+ENVS = Path(__file__).parent / "user_envs.py"
+MOD = "tests.integration.user_envs"  # by module: the objects the test sees
+N = 2
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny model's shape with room for a few turns and the messages between them (256 positions)."""
+    from tether.models.tiny import build_char_tokenizer, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("env_model"), build_char_tokenizer(chat_template=True),
+                            hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                            max_positions=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(long_model):
+    from tests.conftest import engine_server
+
+    with engine_server(long_model) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(long_model):
+    return load_tokenizer(str(long_model))
+
+
+def config(model_dir, addition_data, tmp_path, environment: dict, **rollout):
+    raw = tiny_config(model_dir, addition_data, tmp_path / "run", rollout={"environment": environment, **rollout})
+    return config_from_dict(raw)
+
+
+def groups(count: int, prompt="2+2=", label="4", metadata=None):
+    return [[Sample(prompt_index=k, sample_index=j, prompt=prompt, label=label,
+                    metadata=dict(metadata or {"start": 3, "task": "count"}), prompt_ids=[], rollout_id=0)
+             for j in range(N)] for k in range(count)]
+
+
+async def keep_env_reward(samples):
+    for s in samples:
+        if s.reward is None and not s.failed:
+            s.reward = 0.0
+
+
+def run(engine, tokenizer, cfg, source, max_new_tokens=24, policy=None):
+    custom = CustomGenerate(generate_fn_spec(cfg.rollout), tokenizer=tokenizer, cfg=cfg, policy=policy,
+                            field="rollout.environment")
+    driver = GroupDriver(EngineFleet([engine.url], timeout_s=60), timeout_s=60, custom=custom, policy=policy)
+    schedule = Schedule(need=len(source), over_sampling_groups=len(source), max_concurrent_groups=None, waves=False)
+    result = driver.run(iter(source), schedule, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), 5,
+                        keep_env_reward, keep_all, "env rollout")
+    return [s for g in result.kept for s in g], driver.take_failures()
+
+
+def spans(sample: Sample) -> list[tuple[int, int]]:
+    """(mask, length) runs of the loss mask."""
+    out: list[tuple[int, int]] = []
+    for m in sample.loss_mask or []:
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
+
+
+def pieces(tokenizer, sample: Sample) -> list[str]:
+    """The response's text run by run of its loss mask (turns and inserted messages alternate)."""
+    out, start = [], 0
+    for _, n in spans(sample):
+        out.append(tokenizer.decode(sample.response_ids[start:start + n], skip_special_tokens=True))
+        start += n
+    return out
+
+
+def test_a_trl_environment_class_plays_its_episode(engine, tokenizer, long_model, addition_data, tmp_path):
+    user_envs.RESETS.clear()
+    cfg = config(long_model, addition_data, tmp_path, {"type": "trl", "factory": f"{MOD}:CounterEnv",
+                                                            "max_turns": 3, "max_turn_tokens": 3,
+                                                            "tool_parser": f"{MOD}:every_turn_adds"})
+    samples, _ = run(engine, tokenizer, cfg, groups(2), max_new_tokens=60)
+    assert len(samples) == 2 * N
+    # reset got the row: its prompt, its label under data.label_key and its other fields
+    assert user_envs.RESETS[0] == {"prompt": "2+2=", "label": "4", "start": 3, "task": "count"}
+    for s in samples:
+        # The prompt is the chat template's rendering, with reset's observation appended to the user message.
+        assert tokenizer.decode(s.prompt_ids) == "user: 2+2= Start at 3.\nassistant: "
+        assert s.metrics["turns"] == 3.0 and s.metrics["tool_calls"] == 2.0 and s.metrics["tool_errors"] == 0.0
+        assert [m for m, _ in spans(s)] == [1, 0, 1, 0, 1]  # turn, tool answer, turn, tool answer, turn
+        turn1, answer1, turn2, answer2, _ = pieces(tokenizer, s)
+        # Each tool call added the turn's length to the counter (the parser's call); the reward is get_reward().
+        assert answer1 == f"tool: {3 + len(turn1)}\nassistant: "
+        assert answer2 == f"tool: {3 + len(turn1) + len(turn2)}\nassistant: "
+        assert s.reward == 3 + len(turn1) + len(turn2)
+        inserted = [k for k, m in enumerate(s.loss_mask) if m == 0]
+        assert all(s.response_logprobs[k] == 0.0 for k in inserted)  # inserted: not sampled
+
+
+def test_tool_errors_are_shown_to_the_model_and_infrastructure_errors_retried(engine, tokenizer, long_model,
+                                                                          addition_data, tmp_path):
+    cfg = config(long_model, addition_data, tmp_path, {"type": "trl", "factory": f"{MOD}:CounterEnv",
+                                                            "max_turns": 2, "max_turn_tokens": 3,
+                                                            "tool_parser": f"{MOD}:turn_adds_too_much"})
+    samples, _ = run(engine, tokenizer, cfg, groups(1), max_new_tokens=200)
+    s = samples[0]
+    assert s.metrics["tool_errors"] == 2.0 and s.reward == 3.0  # neither call changed the counter
+    inserted = tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0])
+    assert "{'error': 'too much'}" in inserted and "{'error': 'Tool missing not found.'}" in inserted
+    cfg = config(long_model, addition_data, tmp_path, {"type": "trl", "factory": f"{MOD}:BrokenEnv",
+                                                            "max_turns": 1})
+    samples, log = run(engine, tokenizer, cfg, groups(1), policy=FailurePolicy(max_failed_frac=1.0))
+    # Each sample's first attempt fails in reset and its second succeeds.
+    assert not any(s.failed for s in samples) and log.retried["environment"] == N
+    assert all(s.metrics["retries/environment"] == 1 for s in samples)
+
+
+def test_environment_config_errors_are_named_before_the_start(long_model, addition_data, tmp_path):
+    for environment, expect in [
+        ({"type": "trl", "factory": f"{ENVS}:Nowhere"}, r"rollout.environment: .*Nowhere"),
+        ({"type": "trl", "factory": f"{MOD}:NoDocstringEnv"}, r"tool method act: .*docstring"),
+        ({"type": "skyrl_gym", "env_class": "chess"}, r"env_class 'chess' is not a registered skyrl-gym environment"),
+    ]:
+        cfg = config(long_model, addition_data, tmp_path, environment)
+        with pytest.raises(ConfigError, match=expect):
+            check_user_functions(cfg)
+    with pytest.raises(ConfigError, match="rollout.environment and rollout.custom_generate_fn both generate"):
+        config(long_model, addition_data, tmp_path, {"type": "trl", "factory": f"{MOD}:CounterEnv"},
+               custom_generate_fn=f"{MOD}:CounterEnv")
+
+
+def test_skyrl_gym_gsm8k_scores_each_episode(engine, tokenizer, long_model, addition_data, tmp_path):
+    import skyrl_gym
+
+    cfg = config(long_model, addition_data, tmp_path, {"type": "skyrl_gym"})
+    # A SkyRL dataset row: chat prompt, env_class and reward_spec as fields of the row (here: the metadata).
+    row = {"env_class": "gsm8k", "reward_spec": {"method": "rule", "ground_truth": "4"}}
+    samples, _ = run(engine, tokenizer, cfg, groups(1, prompt=[{"role": "user", "content": "2+2?"}], label=None,
+                                                    metadata=row))
+    env = skyrl_gym.make("gsm8k", env_config={}, extras=row)
+    for s in samples:
+        assert s.metrics["turns"] == 1.0 and s.loss_mask is None  # one step: nothing inserted
+        assert s.reward == env.step(s.response_text)["reward"]  # the package's own score of that text
+
+
+def test_a_registered_skyrl_gym_environment_runs_several_turns(engine, tokenizer, long_model, addition_data,
+                                                               tmp_path):
+    import skyrl_gym
+
+    if "tether_test_echo" not in skyrl_gym.registry:
+        skyrl_gym.register(id="tether_test_echo", entry_point=user_envs.make_skyrl_echo_env())
+    cfg = config(long_model, addition_data, tmp_path, {"type": "skyrl_gym", "env_class": "tether_test_echo",
+                                                            "max_turns": 3, "max_turn_tokens": 4})
+    samples, _ = run(engine, tokenizer, cfg, groups(1, label="7"), max_new_tokens=200)
+    for s in samples:
+        inserted = tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask or []) if m == 0])
+        turns = int(s.metrics["turns"])
+        assert turns == 3 and s.metrics["echo_turns"] == 3.0  # 3 turns of at most 4 tokens, and the observations, fit in 200
+        assert "user: turn 1 seen, go on\nassistant: " in inserted and "turn 2 seen" in inserted
+        assert s.reward == pytest.approx(0.5 * s.metrics["echo_turns"])  # the steps' rewards, summed
+
+
+def test_environment_messages_are_inserted_as_the_template_renders_them(smollm2_dir):
+    """With a real chat template (SmolLM2's ChatML): the conversation's tokens are exactly the template's
+    rendering of the whole conversation, although no turn was ever re-rendered."""
+    tok = load_tokenizer(str(smollm2_dir))
+    ctx = GenerateContext(url="", client=None, tokenizer=tok, cfg=None, rollout_id=0, evaluation=False, rid="r",
+                          seed=0, is_cut=lambda: False, timeout_s=1.0, budget=None)
+    sample = Sample(0, 0, "", None, {}, [])
+    talk = Conversation(ctx, sample, {"max_new_tokens": 100})
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    talk.start(messages)
+    reply = tok.encode("Calling the tool.<|im_end|>", add_special_tokens=False)
+    sample.add_generated(reply, [-0.5] * len(reply), "Calling the tool.", 0)
+    observation = [{"role": "user", "content": "The tool says 5."}]
+    talk.add(observation)
+    whole = tok.apply_chat_template(messages + [{"role": "assistant", "content": "Calling the tool."}] + observation,
+                                    add_generation_prompt=True, tokenize=False)
+    assert tok.decode(sample.prompt_ids + sample.response_ids) == whole
+    assert sample.loss_mask == [1] * len(reply) + [0] * (sample.response_length - len(reply))
