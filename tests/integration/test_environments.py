@@ -30,12 +30,13 @@ N = 2
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> Path:
-    """The tiny model's shape with room for a few turns and the messages between them (256 positions)."""
+    """The tiny model's shape with room for a few turns and the messages between them (a GEM game's
+    instructions are 600 characters: 1024 positions)."""
     from tether.models.tiny import build_char_tokenizer, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("env_model"), build_char_tokenizer(chat_template=True),
                             hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                            max_positions=256, seed=0)
+                            max_positions=1024, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,9 @@ def run(engine, tokenizer, cfg, source, max_new_tokens=24, policy=None):
 
 
 def spans(sample: Sample) -> list[tuple[int, int]]:
-    """(mask, length) runs of the loss mask."""
+    """(mask, length) runs of the loss mask (one run of 1s when nothing was inserted)."""
+    if sample.loss_mask is None:
+        return [(1, sample.response_length)] if sample.response_length else []
     out: list[tuple[int, int]] = []
     for m in sample.loss_mask or []:
         if out and out[-1][0] == m:
@@ -144,6 +147,8 @@ def test_environment_config_errors_are_named_before_the_start(long_model, additi
         ({"type": "trl", "factory": f"{ENVS}:Nowhere"}, r"rollout.environment: .*Nowhere"),
         ({"type": "trl", "factory": f"{MOD}:NoDocstringEnv"}, r"tool method act: .*docstring"),
         ({"type": "skyrl_gym", "env_class": "chess"}, r"env_class 'chess' is not a registered skyrl-gym environment"),
+        ({"type": "gem", "env_id": "game:GuessTheNumber-v0"},
+         r"'game:GuessTheNumber-v0' is not a registered GEM environment; did you mean one of .*GuessTheNumber-v0-easy"),
     ]:
         cfg = config(long_model, addition_data, tmp_path, environment)
         with pytest.raises(ConfigError, match=expect):
@@ -202,3 +207,142 @@ def test_environment_messages_are_inserted_as_the_template_renders_them(smollm2_
                                     add_generation_prompt=True, tokenize=False)
     assert tok.decode(sample.prompt_ids + sample.response_ids) == whole
     assert sample.loss_mask == [1] * len(reply) + [0] * (sample.response_length - len(reply))
+
+
+# ---------------------------------------------------------------- OpenEnv: a real openenv-core server
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def openenv_server():
+    """openenv_guess_server.py served by uvicorn in openenv-core's own environment."""
+    import subprocess
+    import time
+
+    import httpx
+
+    from tests.conftest import openenv_python_or_skip
+
+    python, port = openenv_python_or_skip(), free_port()
+    proc = subprocess.Popen([str(python), "-m", "uvicorn", "openenv_guess_server:app", "--port", str(port),
+                             "--log-level", "warning"], cwd=Path(__file__).parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the OpenEnv server did not start"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def openenv(url, **more) -> dict:
+    return {"type": "openenv", "url": url, "action": f"{MOD}:guess_of", "observation_key": "text",
+            "max_turns": 3, "max_turn_tokens": 2, **more}
+
+
+def test_an_openenv_server_plays_episodes_over_its_websocket(engine, tokenizer, long_model, addition_data, tmp_path,
+                                                             openenv_server):
+    url, _ = openenv_server
+    cfg = config(long_model, addition_data, tmp_path, openenv(url))
+    samples, _ = run(engine, tokenizer, cfg, groups(2, prompt="n"), max_new_tokens=60)
+    assert len(samples) == 2 * N
+    for s in samples:
+        # The first observation is appended to the prompt; each step's answer is inserted, not trained on.
+        assert tokenizer.decode(s.prompt_ids) == "user: n\n1-9?\nassistant: "
+        parts = pieces(tokenizer, s)
+        turns, answers = parts[0::2], parts[1::2]
+        assert 1 <= s.metrics["turns"] == len(turns) <= 3 and s.metrics["env_steps"] == len(turns)
+        hints = [a.split("\n")[0].removeprefix("user: ") for a in answers]
+        assert set(hints) <= {"up", "down"} and len(hints) == len(turns) - 1  # "yes" ends it: never shown
+        guesses = [user_envs.guess_of(t)["guess"] for t in turns]
+        # The targets the server's answers allow; a reward of 1 means the last guess was it.
+        targets = {t for t in range(1, 10) if all(t > g if h == "up" else t < g for g, h in zip(guesses, hints))}
+        assert s.reward in (0.0, 1.0) and targets
+        assert (guesses[-1] in targets) if s.reward == 1.0 else (len(turns) == 3 or s.status == "truncated")
+    # One seed per prompt: the samples of a group play the same target, so their hints agree.
+    for k in range(2):
+        said = {}
+        for s in samples[k * N:(k + 1) * N]:
+            turns, answers = pieces(tokenizer, s)[0::2], pieces(tokenizer, s)[1::2]
+            for t, a in zip(turns, answers):
+                said.setdefault(user_envs.guess_of(t)["guess"], set()).add(a.split("\n")[0])
+        assert all(len(h) == 1 for h in said.values()), said
+
+
+def test_an_openenv_server_that_does_not_answer_or_is_gone_fails_the_sample(engine, tokenizer, long_model,
+                                                                         addition_data, tmp_path, openenv_server):
+    url, proc = openenv_server
+    lenient = FailurePolicy(max_failed_frac=1.0, min_trained_frac=0.0, max_attempts=2, replace_groups=False)
+    cfg = config(long_model, addition_data, tmp_path, openenv(url, action=f"{MOD}:slow_guess", message_timeout_s=0.5))
+    samples, log = run(engine, tokenizer, cfg, groups(1, prompt="n"), max_new_tokens=60, policy=lenient)
+    assert all(s.failed and s.failure["kind"] == "environment" and s.failure["attempts"] == 2 for s in samples)
+    assert f"OpenEnv server {url}: no answer to step within 0.5s" in samples[0].failure["error"]
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = config(long_model, addition_data, tmp_path, openenv(gone, connect_timeout_s=0.5))
+    samples, log = run(engine, tokenizer, cfg, groups(1, prompt="n"), max_new_tokens=60, policy=lenient)
+    assert all(s.failed and s.failure["kind"] == "environment" for s in samples)
+    assert f"OpenEnv server {gone}: no connection to ws://" in samples[0].failure["error"]
+    assert "is it running?" in samples[0].failure["error"] and log.failed == {"environment": N}
+
+
+# ---------------------------------------------------------------- GEM (the gem-llm package)
+def test_a_gem_game_is_played_as_the_package_plays_it(engine, tokenizer, long_model, addition_data, tmp_path):
+    """Each episode, replayed move for move on a fresh environment of the package with the same seed,
+    gives the observations the sample holds and its reward."""
+    import gem
+
+    from tether.envs.gem import seed_of
+
+    cfg = config(long_model, addition_data, tmp_path, {"type": "gem", "env_id": "game:GuessTheNumber-v0-easy",
+                                                        "max_turns": 3, "max_turn_tokens": 4})
+    samples, _ = run(engine, tokenizer, cfg, groups(2, prompt=""), max_new_tokens=200)
+    seeds = {seed_of(cfg.seed, s) for s in samples}
+    assert len(seeds) == 2  # one game per prompt, shared by its group
+    for s in samples:
+        env = gem.make("game:GuessTheNumber-v0-easy")
+        observation, info = env.reset(seed=seed_of(cfg.seed, s))
+        assert tokenizer.decode(s.prompt_ids) == f"user: {observation}\n{info['suffix']}\nassistant: "
+        parts = pieces(tokenizer, s)
+        turns, answers = parts[0::2], parts[1::2]
+        total, shown = 0.0, []
+        for turn in turns:
+            observation, reward, terminated, truncated, info = env.step(turn)
+            total += reward
+            if terminated or truncated:
+                break
+            shown.append(f"user: {observation}\n{info['suffix']}\nassistant: ")
+        assert answers == shown[:len(answers)] and s.metrics["env_steps"] == len(turns)
+        assert s.reward == pytest.approx(total)
+
+
+def test_a_registered_gem_environment_runs_several_turns(engine, tokenizer, long_model, addition_data, tmp_path):
+    import gem
+    from gem.envs.registration import ENV_REGISTRY
+
+    from tether.envs.gem import seed_of
+
+    if "tether:counting-v0" not in ENV_REGISTRY:
+        gem.register("tether:counting-v0", entry_point=user_envs.make_gem_counting_env())
+    cfg = config(long_model, addition_data, tmp_path, {"type": "gem", "env_id": "tether:counting-v0", "max_turns": 5,
+                                                        "max_turn_tokens": 3})
+    samples, _ = run(engine, tokenizer, cfg, groups(1, prompt="play"), max_new_tokens=120)
+    for s in samples:
+        parts = pieces(tokenizer, s)
+        turns, answers = parts[0::2], parts[1::2]
+        assert len(turns) == 3 and s.metrics["env_steps"] == 3  # the environment ended it at its third move
+        assert tokenizer.decode(s.prompt_ids) == f"user: play\nseed {seed_of(cfg.seed, s) % 100} go\nmove?\nassistant: "
+        assert answers == [f"user: got {len(t)}\nmove?\nassistant: " for t in turns[:2]]
+        assert s.reward == pytest.approx(0.25 * sum(bool(t) for t in turns))

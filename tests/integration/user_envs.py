@@ -87,3 +87,32 @@ def make_skyrl_echo_env():
             return {"echo_turns": self.turns}
 
     return EchoEnv
+
+
+def guess_of(text: str) -> dict:
+    """The OpenEnv guess server's action from a turn's text: its first digit (0 when it has none)."""
+    digits = [c for c in text if c.isdigit()]
+    return {"guess": int(digits[0]) if digits else 0}
+
+
+def slow_guess(text: str) -> dict:
+    return {"guess": 99}
+
+
+def make_gem_counting_env():
+    """A GEM Env (gem.core.Env), registered with gem.register as GEM users add theirs: three moves, a
+    quarter point each for a non-empty one."""
+    from gem.core import Env
+
+    class CountingEnv(Env):
+        def reset(self, seed=None):
+            super().reset(seed)
+            self.moves, self.seed_seen = 0, seed
+            return f"seed {seed % 100} go", {"suffix": "move?"}
+
+        def step(self, action):
+            self.moves += 1
+            done = self.moves >= 3
+            return f"got {len(action)}", 0.25 if action else 0.0, done, False, {"suffix": "move?"}
+
+    return CountingEnv

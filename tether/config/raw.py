@@ -63,6 +63,9 @@ def resolve_function_specs(raw: dict, base: Path) -> dict:
         if isinstance(node, dict) and key in node:
             node[key] = resolve_spec(node[key], base)
     environment = raw["rollout"].get("environment") if isinstance(raw.get("rollout"), dict) else None
+    for key in ("action", "tool_parser"):  # functions an environment section names
+        if isinstance(environment, dict) and isinstance(environment.get(key), str):
+            environment[key] = resolve_spec(environment[key], base)
     factory = environment.get("factory") if isinstance(environment, dict) else None
     if not isinstance(environment, dict):
         pass

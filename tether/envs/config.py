@@ -53,7 +53,63 @@ class SkyrlEnvironmentConfig(Section):
     """A chat template (Jinja text) instead of the tokenizer's."""
 
 
-Environment = Annotated[Union[TrlEnvironmentConfig, SkyrlEnvironmentConfig], Field(discriminator="type")]
+class GemEnvironmentConfig(Section):
+    """A GEM environment (gem.make: reset(seed) -> (observation, info), step(action) -> (observation,
+    reward, terminated, truncated, info))."""
 
-GENERATE_FN = {"trl": "tether.envs.trl:generate", "skyrl_gym": "tether.envs.skyrl:generate"}
+    type: Literal["gem"] = "gem"
+    """GEM's environments (tether/envs/gem.py; pip install --no-deps gem-llm)."""
+    env_id: str | None = None
+    """The registered environment (game:GuessTheNumber-v0-easy, rg:basic_arithmetic, ...; gem.make's id).
+    None: each row's ``env_id`` field names it."""
+    env_kwargs: dict[str, Any] = {}
+    """Keyword arguments of gem.make (the environment's settings)."""
+    append_suffix: bool = True
+    """Show info["suffix"] after each observation (GEM's games put their prompt for the next move there)."""
+    max_turns: int = Field(8, ge=1)
+    """Assistant turns per episode at most."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Tokens one assistant turn may generate at most. None: the whole budget left."""
+    reward: Literal["sum", "last"] = "sum"
+    """The sample's reward from the steps' rewards: their sum, or the last step's."""
+    chat_template: str | None = None
+    """A chat template (Jinja text) instead of the tokenizer's."""
+
+
+class OpenEnvConfig(Section):
+    """An OpenEnv environment server (openenv-core's create_app), one WebSocket session per episode."""
+
+    type: Literal["openenv"] = "openenv"
+    """OpenEnv servers (tether/envs/openenv.py; the client needs only the websockets package)."""
+    url: str | list[str]
+    """The server (http://host:port), or several: samples spread over them."""
+    action: str | None = None
+    """A function from an assistant turn's text to the environment's action (a dict of its Action's
+    fields): module:fn or file.py:fn. None: {action_key: text}."""
+    action_key: str = "message"
+    """The action field the turn's text goes to when there is no action function."""
+    observation_key: str | None = None
+    """The observation field shown to the model as the next user message. None: the whole observation,
+    as JSON."""
+    observation_separator: str = "\n"
+    """Between the prompt and the first observation (appended to the last prompt message)."""
+    max_turns: int = Field(8, ge=1)
+    """Assistant turns per episode at most."""
+    max_turn_tokens: int | None = Field(None, ge=1)
+    """Tokens one assistant turn may generate at most. None: the whole budget left."""
+    reward: Literal["sum", "last"] = "sum"
+    """The sample's reward from the steps' rewards: their sum, or the last step's."""
+    connect_timeout_s: float = Field(30.0, gt=0)
+    """How long a refused connection is retried before the sample fails (kind environment)."""
+    message_timeout_s: float = Field(60.0, gt=0)
+    """The longest wait for the answer to one reset or step."""
+    chat_template: str | None = None
+    """A chat template (Jinja text) instead of the tokenizer's."""
+
+
+Environment = Annotated[Union[TrlEnvironmentConfig, SkyrlEnvironmentConfig, GemEnvironmentConfig, OpenEnvConfig],
+                        Field(discriminator="type")]
+
+GENERATE_FN = {"trl": "tether.envs.trl:generate", "skyrl_gym": "tether.envs.skyrl:generate",
+               "gem": "tether.envs.gem:generate", "openenv": "tether.envs.openenv:generate"}
 """The generate function of each environment type."""

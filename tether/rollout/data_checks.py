@@ -49,8 +49,8 @@ def row_checks(cfg: TetherConfig, reward: str, max_response_len: int, positions:
 
 def load_keys(cfg: TetherConfig) -> dict[str, Any]:
     d = cfg.data
-    return dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
+    return dict(prompt_key=d.prompt_key, label_key=d.label_key, metadata_key=d.metadata_key, split=d.split,
+                subset=d.subset, fmt=PromptFormat.from_config(d), max_prompt_len=d.max_prompt_len)
 
 
 def not_generated(field: str) -> ConfigError:
@@ -74,7 +74,7 @@ def load_eval_rows(cfg: TetherConfig, tokenizer: Any, positions: int | None) -> 
         if e.path is None:
             raise not_generated(f"eval.datasets[{i}]")
         paths.append(e.path)
-    return [load_prompt_rows(path, tokenizer, **load_keys(cfg),
+    return [load_prompt_rows(path, tokenizer, **{**load_keys(cfg), "split": e.split},
                              checks=row_checks(cfg, e.reward or cfg.rollout.reward, e.max_response_len, positions))
             for path, e in zip(paths, cfg.eval.datasets)]
 

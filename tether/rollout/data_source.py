@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from tether.rollout.hf_rows import is_hf_source, is_hub, read_hf_rows
 from tether.rollout.row_fields import MISSING, field_value
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           render_prompt)
@@ -86,6 +87,8 @@ def load_prompt_rows(
     prompt_key: str = "prompt",
     label_key: str = "label",
     metadata_key: str = "metadata",
+    split: str | None = None,
+    subset: str | None = None,
     fmt: PromptFormat = PLAIN,
     max_prompt_len: int | None = None,
     checks: RowChecks = NO_CHECKS,
@@ -103,8 +106,7 @@ def load_prompt_rows(
             empty file, or every row filtered out. Messages name the file, the line (JSONL) or row
             (Parquet), and the field.
     """
-    path = Path(path)
-    if not path.is_file():
+    if not is_hub(path) and not Path(path).exists():
         raise DatasetError(f"{path}: prompt dataset file not found")
     if fmt.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
         raise DatasetError(
@@ -124,7 +126,7 @@ def load_prompt_rows(
         num_read += 1
         bad(err)
 
-    for line_no, where, obj in read_rows(path, bad_line):
+    for line_no, where, obj in read_rows(path, bad_line, split, subset):
         num_read += 1
         try:
             prompt = get_prompt(obj, where, prompt_key, fmt.apply_chat_template)
@@ -167,10 +169,19 @@ def _check_row(where: str, prompt_ids: list[int], label: Any, label_key: str, ch
                            f"scores a {kinds} label (it would score this row 0 every time)")
 
 
-def read_rows(path: Path, on_error: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, str, dict]]:
+def read_rows(path: Path | str, on_error: Callable[[DatasetError], None] | None = None, split: str | None = None,
+              subset: str | None = None) -> Iterator[tuple[int, str, dict]]:
     """Yield (1-based line or row number, where, object) for each row; ``where`` names the file and
-    the line (JSONL) or row (Parquet, columns as keys) for error messages. A line that is not a JSON
-    object raises, or with ``on_error`` is handed to it and skipped."""
+    the line (JSONL) or row (Parquet, Arrow and Hugging Face datasets: columns as keys) for error
+    messages. A line that is not a JSON object raises, or with ``on_error`` is handed to it and
+    skipped. ``split`` and ``subset``: of a Hub dataset (tether/rollout/hf_rows.py)."""
+    if is_hub(path):
+        yield from read_hf_rows(path, split, subset)
+        return
+    path = Path(path)
+    if is_hf_source(path):
+        yield from read_hf_rows(path)
+        return
     if path.suffix == ".parquet":
         yield from _read_parquet(path)
         return

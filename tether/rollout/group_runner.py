@@ -151,6 +151,8 @@ class GroupRunner:
         self.watchdog.progress()
         self.failures.add_group(samples)
         live = counted(samples)
+        if not live and self.evaluation:  # an eval keeps every group (its score is over what did not fail)
+            return True, ""
         if not live:  # nothing to learn from: replaced by another prompt, or kept as a place holder
             # A group its reward left unscored (None: "not scored") is kept, trained on nothing, as TRL
             # does; min_trained_frac says when that is too much.

@@ -40,7 +40,7 @@ from tether.rollout.results import group_size, rollout_metrics, to_train_batch
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.rollout.stream import STREAM_STATE, StreamSettings
-from tether.rollout.user_functions import check_user_functions, make_scorer, score_shaped
+from tether.rollout.user_functions import check_user_functions, make_scorer, score_shaped, score_unscored
 from tether.errors import RolloutFailed
 from tether.sample import Sample, counted
 from tether.trainer.batch import TrainBatch
@@ -286,7 +286,9 @@ class RolloutManager:
         for k, eval_set in enumerate(self.eval_sets):
             name = eval_set.name
             ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
-                                eval_set.scorer.score_group, f"eval {name} at rollout {rollout_id}")
+                                # a set's own reward scores it; else rewards its environment set are kept
+                                eval_set.scorer.score_group if eval_set.cfg.reward else
+                                partial(score_unscored, eval_set.scorer, self.cfg), f"eval {name} at rollout {rollout_id}")
             out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
             self._require_driver().take_failures()  # an eval's failed samples are in its own dump
             scores, samples, prompts, answers = eval_set.summarize(out.groups, out.metrics)

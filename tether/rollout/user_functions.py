@@ -33,15 +33,23 @@ async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -
     group whose generate function set every sample's reward keeps those (checked like any reward).
     (Not a method: Ray makes an actor with any async method an asyncio actor.)"""
     r = cfg.rollout
-    live = counted(group)  # a failed sample gets no reward (tether/rollout/failures.py)
-    if live and all(s.reward is not None for s in live):
-        for s in live:
-            set_reward(s, s.reward_info if s.reward_info is not None else s.reward,
-                       r.custom_generate_fn or "generate function", r.reward_key)
-    else:
-        await scorer.score_group(group)
+    await score_unscored(scorer, cfg, group)
     if r.overlong_buffer_len is not None:
         apply_overlong_penalty(counted(group), r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+
+
+async def score_unscored(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:
+    """The group's rewards: those its generate function (or environment) set, checked as any reward,
+    when it set every one; else the scorer's. Failed samples get none (tether/rollout/failures.py)."""
+    r = cfg.rollout
+    live = counted(group)
+    if live and all(s.reward is not None for s in live):
+        who = r.custom_generate_fn or (f"rollout.environment ({r.environment.type})" if r.environment else
+                                       "generate function")
+        for s in live:
+            set_reward(s, s.reward_info if s.reward_info is not None else s.reward, who, r.reward_key)
+    else:
+        await scorer.score_group(group)
 
 
 def check_user_functions(cfg: TetherConfig) -> None:
@@ -89,7 +97,7 @@ def _row_generate_fns(cfg: TetherConfig) -> list[tuple[str, str]]:
     """(spec, where) of every prompt and eval row that names its own generate function."""
     found = []
     for path in [cfg.data.path] + [e.path for e in cfg.eval.datasets]:
-        if path and Path(path).is_file():
+        if path and Path(path).exists():  # (a Hub dataset's rows are checked when the manager loads them)
             found += [(spec, where) for _, where, obj in read_rows(Path(path))
                       if (spec := row_spec(obj.get(cfg.data.metadata_key), path))]
     return found

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tether.config import TetherConfig
 from tether.errors import ConfigError
+from tether.rollout.hf_rows import is_hub
 from tether.rollout.reasoning_gym_files import materialise
 
 
@@ -34,7 +35,7 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     for field, value in needed.items():
         if value is None:
             problems.append(f"  {field}: required for `tether {command}`")
-        elif not Path(value).exists():
+        elif not is_hub(value) and not Path(value).exists():  # a Hub dataset is resolved when it is read
             problems.append(f"  {field}: {value} does not exist{_resolved_against(value)}")
     specs = {"rollout.reward": cfg.rollout.reward, "algorithm.policy_loss": cfg.algorithm.policy_loss,
              "rollout.group_reward": cfg.rollout.group_reward, "rollout.dynamic_filter": cfg.rollout.dynamic_filter,

@@ -18,6 +18,7 @@ import numpy as np
 from tether.trainer.batch import TrainBatch
 from tether.config import TetherConfig
 from tether.rollout.data_source import read_rows
+from tether.rollout.hf_rows import is_hub
 from tether.rollout.prompt_format import (DatasetError, PromptFormat, encode_text, fill_template, get_prompt,
                                           render_prompt)
 
@@ -41,11 +42,10 @@ def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> li
     fmt = PromptFormat.from_config(d)
     if s.path is None:
         raise DatasetError("sft.path is required for `tether sft` (a JSONL or Parquet file with prompt and response)")
-    path = Path(s.path)
-    if not path.is_file():
-        raise DatasetError(f"sft.path: file not found: {path}")
+    if not is_hub(s.path) and not Path(s.path).exists():
+        raise DatasetError(f"sft.path: file not found: {s.path}")
     rows = []
-    for _, where, obj in read_rows(path):
+    for _, where, obj in read_rows(s.path, split=s.split, subset=d.subset):
         if s.messages_key in obj:
             prompt_ids, response_ids, mask = conversation_ids(tokenizer, obj[s.messages_key], where, s.messages_key)
             rows.append((prompt_ids, response_ids) if all(mask) else (prompt_ids, response_ids, mask))
@@ -68,7 +68,7 @@ def load_sft_rows(cfg: TetherConfig, tokenizer, texts: list | None = None) -> li
         mask.append(1)
         rows.append((prompt_ids, response_ids) if all(mask) else (prompt_ids, response_ids, mask))
     if not rows:
-        raise DatasetError(f"{path}: no rows")
+        raise DatasetError(f"{s.path}: no rows")
     return rows
 
 
