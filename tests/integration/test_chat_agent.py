@@ -48,6 +48,19 @@ def run(engine, tokenizer, spec: str, count: int = 3):
                                   "test rollout").kept for s in g]
 
 
+@pytest.mark.parametrize("agent", ["claude_agent", "responses_agent"])
+def test_agents_over_anthropic_and_responses_apis_train_on_the_direct_paths_tokens(engine, tokenizer, agent):
+    """The same tool loop written against the anthropic SDK (Messages API) and OpenAI's Responses API,
+    streamed (odd samples) and not: the samples are the direct path's, token for token."""
+    direct = run(engine, tokenizer, f"{HERE / 'user_generate.py'}:two_turns")
+    other = run(engine, tokenizer, f"{HERE / 'user_agents.py'}:{agent}")
+    assert len(other) == len(direct) == 3 * N
+    for a, d in zip(other, direct):
+        assert a.prompt_ids == d.prompt_ids and a.response_ids == d.response_ids and a.loss_mask == d.loss_mask
+        assert a.response_logprobs == pytest.approx(d.response_logprobs, abs=1e-4)
+        assert a.metrics == {"chat_turns": 2.0, "turns_not_extending": 0.0, "tool_calls": 2.0}
+
+
 def test_the_openai_agent_trains_on_the_tokens_of_the_direct_path(engine, tokenizer):
     direct = run(engine, tokenizer, f"{HERE / 'user_generate.py'}:two_turns")
     agent = run(engine, tokenizer, f"{HERE / 'user_agents.py'}:echo_agent")

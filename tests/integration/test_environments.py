@@ -346,3 +346,25 @@ def test_a_registered_gem_environment_runs_several_turns(engine, tokenizer, long
         assert tokenizer.decode(s.prompt_ids) == f"user: play\nseed {seed_of(cfg.seed, s) % 100} go\nmove?\nassistant: "
         assert answers == [f"user: got {len(t)}\nmove?\nassistant: " for t in turns[:2]]
         assert s.reward == pytest.approx(0.25 * sum(bool(t) for t in turns))
+
+
+def test_a_verl_reward_model_named_whole_as_the_label_is_pointed_out(long_model, addition_data, tmp_path):
+    import json
+
+    from tether.rollout.manager import RolloutManager
+
+    rows = tmp_path / "verl.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{k}+1=", "data_source": "add", "extra_info": {"index": k},
+                                        "reward_model": {"style": "rule", "ground_truth": str(k + 1)}}) + "\n"
+                            for k in range(4)))
+    raw = tiny_config(long_model, addition_data, tmp_path / "run", rollout={"reward": f"{MOD}:every_turn_adds"},
+                      eval={"datasets": []})
+    raw["data"].update(path=str(rows), label_key="reward_model")
+    info = RolloutManager(config_from_dict(raw).model_dump(mode="json")).data_info()
+    assert any("data.label_key 'reward_model' gives a dict with a ground_truth field" in w
+               and "set data.label_key=reward_model.ground_truth" in w for w in info["warnings"]), info["warnings"]
+    raw["data"]["label_key"] = "reward_model.ground_truth"
+    manager = RolloutManager(config_from_dict(raw).model_dump(mode="json"))
+    assert not any("ground_truth field" in w for w in manager.data_info()["warnings"])
+    row = manager.data.rows[0]
+    assert row.label == "1" and row.metadata == {"data_source": "add", "extra_info": {"index": 0}}

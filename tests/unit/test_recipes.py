@@ -252,3 +252,38 @@ def test_generate_into_ends_a_turn_at_a_delimiter_and_keeps_it_in_the_text():
     turn = asyncio.run(ctx.generate_into(sample, {"max_new_tokens": 32, "stop": "\n"}, stop=["</calc>"]))
     assert turn.text == "<calc>1+1</calc>" == sample.response_text and turn.finish_reason == "stop"
     assert ctx.seen[0][1]["stop"] == ["\n", "</calc>"]  # the turn's stops join the given ones
+
+
+def test_calculator_env_recipe_pieces_fit_together(tmp_path):
+    """The environment class, its tool-call reader, the reward and the teacher's conversations."""
+    prepare = load_module(RECIPES / "calculator_env" / "prepare.py")
+    env_module = load_module(RECIPES / "calculator_env" / "env.py")
+    reward = load_module(RECIPES / "calculator_env" / "reward.py")
+    env = env_module.CalculatorEnv()
+    assert env.reset(prompt="347*58=", label="20126") is None and env.calculate("347*58") == "20126"
+    assert env_module.parse_calc("<calc>347*58</calc>") == ("", [{"name": "calculate",
+                                                                 "arguments": {"expression": "347*58"}}])
+    assert env_module.parse_calc("20126") == ("20126", [])
+    assert reward.score("<calc>347*58</calc>tool: 20126assistant: 20126", "20126") == 1.0
+    assert reward.score("15000", "20126") == 0.0
+    right = prepare.conversation(347, 58, "right")
+    assert [m["role"] for m in right] == ["user", "assistant", "tool", "assistant"] and right[-1]["content"] == "20126"
+    assert prepare.conversation(347, 58, "misuse")[1]["content"] == "<calc>347*5</calc>"
+    tokenizer = build_char_tokenizer(chat_template=False)
+    tokenizer.chat_template = prepare.CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(right, tokenize=False)
+    assert text == "user: 347*58=<eos>assistant: <calc>347*58</calc><eos>tool: 20126<eos>assistant: 20126<eos>"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_skyrl_addition_recipe_rows_are_skyrls_and_its_teacher_speaks_to_the_environment(tmp_path):
+    pytest.importorskip("skyrl_gym")
+    prepare = load_module(RECIPES / "skyrl_addition" / "prepare.py")
+    request = prepare.second_turn_request()
+    assert "#### ANSWER" in request  # asked of the package's environment, not copied
+    convo = prepare.teacher(37, 48, random.Random(1), 1.0, request)  # always forgets the carry
+    assert convo == [{"role": "user", "content": "37+48="}, {"role": "assistant", "content": "#### 75"},
+                     {"role": "user", "content": request}, {"role": "assistant", "content": "#### 75"}]
+    assert prepare.teacher(37, 48, random.Random(1), 0.0, request)[1:] == [{"role": "assistant", "content": "#### 85"}]
+    row = prepare.row(37, 48)
+    assert row["env_class"] == "gsm8k_multi_turn" and row["reward_spec"]["ground_truth"] == "85"

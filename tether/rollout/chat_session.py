@@ -138,6 +138,17 @@ class ChatSession:
         """Give this to the agent's OpenAI client (``base_url=``)."""
         return f"{self._server.url}/sessions/{self.id}/v1"
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """Give this to an Anthropic client (``base_url=``; it posts to <base>/v1/messages)."""
+        return f"{self._server.url}/sessions/{self.id}"
+
+    def anthropic_client(self, **options):
+        """An ``anthropic.AsyncAnthropic`` pointed at this session (Messages API), retrying nothing."""
+        import anthropic
+
+        return anthropic.AsyncAnthropic(base_url=self.anthropic_base_url, api_key="tether", max_retries=0, **options)
+
     def openai_client(self, **options):
         """An ``openai.AsyncOpenAI`` pointed at this session, on the rollout's HTTP connection pool. Any
         client given ``base_url`` works; this one skips what a fresh client costs (about 30 ms of TLS

@@ -157,7 +157,19 @@ class RolloutManager:
         items = [(f"{path}:{row.line}", what, text) for path, rows in sets
                  for row in rows[:ROUND_TRIP_ROWS]
                  for what, text in (("prompt", row.text), ("label", row.label)) if isinstance(text, str)]
-        return round_trip_problems(self.tokenizer, items)
+        return round_trip_problems(self.tokenizer, items) + self._dict_labels(sets)
+
+    def _dict_labels(self, sets) -> list[str]:
+        """A label that is a dict holding a ground_truth (verl's reward_model field named whole): the
+        reward would be handed the dict, not the answer."""
+        key = self.cfg.data.label_key
+        for path, rows in sets:
+            for row in rows[:ROUND_TRIP_ROWS]:
+                if isinstance(row.label, dict) and "ground_truth" in row.label:
+                    return [f"{path}:{row.line}: data.label_key '{key}' gives a dict with a ground_truth field "
+                            f"({sorted(row.label)}); rewards get the whole dict as the label. To compare against "
+                            f"the answer, set data.label_key={key}.ground_truth"]
+        return []
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """Samples for one rollout, scored. Called with num_returns=2: the batch stays in the object store."""
