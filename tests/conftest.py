@@ -94,6 +94,32 @@ def openenv_python_or_skip() -> Path:
     return python
 
 
+VERIFIERS = "0.3.0"  # the classic load_environment API (0.4 replaced it)
+
+
+def verifiers_python_or_skip() -> Path:
+    """A Python with verifiers (its classic API), in an environment of its own as verifiers brings dozens of
+    packages: created on first use (a minute or two), cached under ~/.cache/tether. Skipped, saying why,
+    only when it cannot be installed (no network to the package index)."""
+    import subprocess
+    import sys
+
+    from tether.engine.vllm_env import cache_dir
+
+    venv = cache_dir() / f"verifiers-{VERIFIERS}"
+    python = venv / "bin" / "python"
+    if (venv / ".installed").exists():
+        return python
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        f"verifiers=={VERIFIERS}"], check=True)
+    except (subprocess.CalledProcessError, OSError) as err:
+        pytest.skip(f"verifiers could not be installed into its own environment: {err}")
+    (venv / ".installed").touch()
+    return python
+
+
 @pytest.fixture(scope="session")
 def addition_data(tmp_path_factory) -> dict[str, Path]:
     """train.jsonl (64 prompts) and eval.jsonl (8 prompts) of 'a+b=' with the sum as label."""

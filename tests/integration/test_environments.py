@@ -368,3 +368,55 @@ def test_a_verl_reward_model_named_whole_as_the_label_is_pointed_out(long_model,
     assert not any("ground_truth field" in w for w in manager.data_info()["warnings"])
     row = manager.data.rows[0]
     assert row.label == "1" and row.metadata == {"data_source": "add", "extra_info": {"index": 0}}
+
+
+# ---------------------------------------------------------------- verifiers (in its own Python environment)
+# Every message ends with the end-of-turn token, as ChatML's <|im_end|>: a turn's tokens, cut by max_tokens
+# or ended by the model, are a prefix of the conversation the template renders next.
+EOS_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}<eos>{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+
+def vf_config(long_model, addition_data, tmp_path, **more):
+    from tests.conftest import verifiers_python_or_skip
+
+    env = {"type": "verifiers", "env_id": "vf-tiny-env", "python": str(verifiers_python_or_skip()),
+           "cwd": str(Path(__file__).parent), "sampling_args": {"max_tokens": 4}, "chat_template": EOS_TEMPLATE,
+           **more}
+    raw = tiny_config(long_model, addition_data, tmp_path / "run", rollout={"environment": env}, eval={"datasets": []})
+    raw["data"] = {"path": None, "apply_chat_template": True}
+    return config_from_dict(raw)
+
+
+def test_a_verifiers_environment_brings_its_dataset_and_rubric(engine, tokenizer, long_model, addition_data,
+                                                               tmp_path):
+    import json
+
+    from tether.run.preflight import write_environment_data
+
+    cfg = vf_config(long_model, addition_data, tmp_path, eval_name="vf")
+    write_environment_data(cfg)
+    rows = [json.loads(line) for line in Path(cfg.data.path).read_text().splitlines()]
+    assert rows[1] == {"prompt": [{"role": "user", "content": "1+1="}], "label": "2", "metadata": {"example_id": 1}}
+    assert [d.name for d in cfg.eval.datasets] == ["vf"]  # the environment's eval split, 2 rows
+    assert len(Path(cfg.eval.datasets[0].path).read_text().splitlines()) == 2
+    source = [[Sample(prompt_index=k, sample_index=j, prompt=r["prompt"], label=r["label"], metadata=r["metadata"],
+                      prompt_ids=[]) for j in range(N)] for k, r in enumerate(rows[:2])]
+    samples, _ = run(engine, tokenizer, cfg, source, max_new_tokens=12)
+    for s in samples:
+        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        assert s.reward == float(s.label in text)  # the rubric's score of what the engine sampled
+        assert s.metrics["rubric/reply_length"] == float(len(text)) and s.metrics["env_turns"] == 1.0
+        assert tokenizer.decode(s.prompt_ids) == f"user: {s.prompt[0]['content']}<eos>assistant: "
+
+
+def test_a_multi_turn_verifiers_environment_is_recorded_turn_by_turn(engine, tokenizer, long_model, addition_data,
+                                                                     tmp_path):
+    cfg = vf_config(long_model, addition_data, tmp_path, env_args={"multi_turn": True})
+    source = [[Sample(prompt_index=0, sample_index=j, prompt=[{"role": "user", "content": "3+1="}], label="4",
+                      metadata={"example_id": 3}, prompt_ids=[]) for j in range(N)]]
+    samples, _ = run(engine, tokenizer, cfg, source, max_new_tokens=60)
+    for s in samples:
+        assert s.metrics["env_turns"] == 2.0 and s.metrics["chat_turns"] == 2.0
+        inserted = tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask or []) if m == 0])
+        assert "user: again?<eos>assistant: " in inserted  # the environment's message, not trained on
+        assert s.metrics["turns_not_extending"] == 0.0

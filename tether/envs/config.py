@@ -107,9 +107,40 @@ class OpenEnvConfig(Section):
     """A chat template (Jinja text) instead of the tokenizer's."""
 
 
-Environment = Annotated[Union[TrlEnvironmentConfig, SkyrlEnvironmentConfig, GemEnvironmentConfig, OpenEnvConfig],
-                        Field(discriminator="type")]
+class VerifiersConfig(Section):
+    """A verifiers environment (vf.load_environment: its dataset, rollout logic and rubric), played in the
+    Python environment that has verifiers, against the sample's chat session."""
+
+    type: Literal["verifiers"] = "verifiers"
+    """verifiers' environments (tether/envs/verifiers.py)."""
+    env_id: str
+    """The environment's id, as vf.load_environment takes it (its module's name, "-" for "_")."""
+    env_args: dict[str, Any] = {}
+    """Keyword arguments of the environment's load_environment."""
+    python: str | None = None
+    """A Python that imports verifiers and the environment's module (verifiers brings dozens of packages
+    of its own). None: this one."""
+    cwd: str | None = None
+    """The worker's working directory, also put on its PYTHONPATH (where an environment module that is
+    not installed lives). None: the run's."""
+    eval_name: str | None = None
+    """Also evaluate on the environment's eval split, as the eval set of this name (written at start-up
+    beside the training rows when data.path is not set)."""
+    sampling_args: dict[str, Any] = {}
+    """The environment's sampling arguments (its requests carry them): max_tokens bounds each turn;
+    temperature and the like are the rollout's own, whatever they say."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a turn, for a ToolEnv: hermes, or module:fn."""
+    chat_template: str | None = None
+    """A chat template (Jinja text) instead of the tokenizer's."""
+    timeout_s: float = Field(600.0, gt=0)
+    """The longest a rollout (or the dataset) may take in the worker."""
+
+
+Environment = Annotated[Union[TrlEnvironmentConfig, SkyrlEnvironmentConfig, GemEnvironmentConfig, OpenEnvConfig,
+                              VerifiersConfig], Field(discriminator="type")]
 
 GENERATE_FN = {"trl": "tether.envs.trl:generate", "skyrl_gym": "tether.envs.skyrl:generate",
-               "gem": "tether.envs.gem:generate", "openenv": "tether.envs.openenv:generate"}
+               "gem": "tether.envs.gem:generate", "openenv": "tether.envs.openenv:generate",
+               "verifiers": "tether.envs.verifiers:generate"}
 """The generate function of each environment type."""

@@ -193,11 +193,12 @@ class ChatSession:
         tools = body.get("tools") or self.tools
         text = self.ctx.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                       tokenize=False, chat_template=self.template)
-        gen_params = self._sampling(body)
+        self._sampling(body)  # a bad request is refused before the sample changes
         first = self.turns == 0
         if first or not self._extends(text):  # the first prompt, or one that rewrote the conversation
             self.breaks += not first
             _restart(self.sample, self.ctx.tokenizer.encode(text, add_special_tokens=False))
+        gen_params = self._sampling(body)  # after the new messages went in: max_tokens counts from here
         self.turns += 1
         left = int(gen_params["max_new_tokens"]) - self.sample.response_length
         if left <= 0:  # the response budget is spent: no call

@@ -21,6 +21,8 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     prompt sources are resolved, before anything reads them.
     """
     materialise(cfg)
+    if command in ("train", "rollout", "eval", "sft"):
+        write_environment_data(cfg)
     needed: dict[str, str | None] = {"model.path": cfg.model.path}
     if command == "rollout" or command == "train" and cfg.debug.load_rollouts is None:
         needed["data.path"] = cfg.data.path
@@ -71,3 +73,23 @@ def missing_packages(cfg: TetherConfig) -> list[str]:
     asked = {"tracking.wandb=true": cfg.tracking.wandb, "cluster.router=sglang_router": cfg.cluster.router == "sglang_router"}
     return [f"  {field}: needs the '{module}' package, which is not installed here: {install}"
             for field, (module, install) in OPTIONAL.items() if asked[field] and importlib.util.find_spec(module) is None]
+
+
+def write_environment_data(cfg: TetherConfig) -> None:
+    """An environment that brings its own dataset (verifiers) writes it as prompt JSONL to
+    <output_dir>/data/ when data.path is not set, and its eval split as the eval set eval_name asks for."""
+    env = cfg.rollout.environment
+    if env is None or env.type != "verifiers":
+        return
+    from tether.config.tree import DataConfig, EvalDatasetConfig
+    from tether.envs.verifiers import write_dataset
+
+    folder = Path(cfg.output_dir) / "data"
+    if cfg.data.path is None:
+        path = write_dataset(env, "train", folder / f"verifiers_{env.env_id}_train.jsonl")
+        # Its prompts are chat messages (the environment's chat session renders them in any case).
+        cfg.data = DataConfig.model_validate({**cfg.data.model_dump(), "path": str(path), "apply_chat_template": True})
+    if env.eval_name and not any(d.name == env.eval_name for d in cfg.eval.datasets):
+        path = write_dataset(env, "eval", folder / f"verifiers_{env.env_id}_eval.jsonl")
+        extra = EvalDatasetConfig(name=env.eval_name, path=str(path))
+        cfg.eval = cfg.eval.model_copy(update={"datasets": [*cfg.eval.datasets, extra]})
