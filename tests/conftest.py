@@ -67,57 +67,42 @@ def vllm_python_or_skip() -> Path:
 
 
 OPENENV_CORE = "0.3.0"
+VERIFIERS = "0.3.0"  # the classic load_environment API (0.4 replaced it)
 
 
-def openenv_python_or_skip() -> Path:
-    """A Python with openenv-core (and what its server imports, without gradio), in an environment of its
-    own as an OpenEnv server has: created on first use (under a minute), cached under ~/.cache/tether.
+def own_python_or_skip(name: str, *installs: list[str]) -> Path:
+    """The Python of a virtual environment of its own under ~/.cache/tether (a library whose
+    dependencies tether's environment should not take on), created on first use by these pip installs.
     Skipped, saying why, only when it cannot be installed (no network to the package index)."""
     import subprocess
     import sys
 
     from tether.engine.vllm_env import cache_dir
 
-    venv = cache_dir() / f"openenv-core-{OPENENV_CORE}"
+    venv = cache_dir() / name
     python = venv / "bin" / "python"
     if (venv / ".installed").exists():
         return python
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, "fastapi", "uvicorn", "pydantic>=2", "requests", "websockets", "httpx", "fastmcp"],
-                       check=True)
-        subprocess.run([*pip, "--no-deps", f"openenv-core=={OPENENV_CORE}"], check=True)
+        for args in installs:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True)
     except (subprocess.CalledProcessError, OSError) as err:
-        pytest.skip(f"openenv-core could not be installed into its own environment: {err}")
+        pytest.skip(f"{name} could not be installed into its own environment: {err}")
     (venv / ".installed").touch()
     return python
 
 
-VERIFIERS = "0.3.0"  # the classic load_environment API (0.4 replaced it)
+def openenv_python_or_skip() -> Path:
+    """openenv-core and what its server imports (without gradio), as an OpenEnv server has (under a minute)."""
+    return own_python_or_skip(f"openenv-core-{OPENENV_CORE}",
+                              ["fastapi", "uvicorn", "pydantic>=2", "requests", "websockets", "httpx", "fastmcp"],
+                              ["--no-deps", f"openenv-core=={OPENENV_CORE}"])
 
 
 def verifiers_python_or_skip() -> Path:
-    """A Python with verifiers (its classic API), in an environment of its own as verifiers brings dozens of
-    packages: created on first use (a minute or two), cached under ~/.cache/tether. Skipped, saying why,
-    only when it cannot be installed (no network to the package index)."""
-    import subprocess
-    import sys
-
-    from tether.engine.vllm_env import cache_dir
-
-    venv = cache_dir() / f"verifiers-{VERIFIERS}"
-    python = venv / "bin" / "python"
-    if (venv / ".installed").exists():
-        return python
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        f"verifiers=={VERIFIERS}"], check=True)
-    except (subprocess.CalledProcessError, OSError) as err:
-        pytest.skip(f"verifiers could not be installed into its own environment: {err}")
-    (venv / ".installed").touch()
-    return python
+    """verifiers with its dozens of packages (a minute or two)."""
+    return own_python_or_skip(f"verifiers-{VERIFIERS}", [f"verifiers=={VERIFIERS}"])
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,23 @@ async def run_episode(ctx: GenerateContext, sample: Sample, sampling_params: dic
     return sample
 
 
+def env_name(configured: str | None, sample: Sample, row_field: str, config_field: str) -> str:
+    """The environment a sample plays: the config's, else the one its row names (SkyRL's env_class, GEM's env_id)."""
+    name = configured or (sample.metadata.get(row_field) if isinstance(sample.metadata, dict) else None)
+    if not isinstance(name, str):
+        raise ValueError(f"{sample.describe()}: no environment: set rollout.environment.{config_field}, or give the "
+                         f"row a {row_field} field")
+    return name
+
+
+def episode_reward(rewards: list[float], how: str) -> float:
+    """The sample's reward from its steps' rewards: their sum, or the last one (0 when no step was taken:
+    the first turn spent the whole budget and the environment saw nothing)."""
+    if not rewards:
+        return 0.0
+    return sum(rewards) if how == "sum" else rewards[-1]
+
+
 def load_factory(spec: str, what: str) -> Callable[..., Any]:
     """A class or function named by a module:name / file.py:name spec (an environment's factory)."""
     from tether.importing import load_function

@@ -20,7 +20,7 @@ import zlib
 from typing import Any
 
 from tether.envs.config import GemEnvironmentConfig
-from tether.envs.episode import call_env, run_episode
+from tether.envs.episode import call_env, env_name, episode_reward, run_episode
 from tether.rollout.generate_fn import GenerateContext
 from tether.sample import Sample
 
@@ -36,11 +36,7 @@ def _gem() -> Any:
 
 
 def env_id_of(c: GemEnvironmentConfig, sample: Sample) -> str:
-    name = c.env_id or (sample.metadata.get("env_id") if isinstance(sample.metadata, dict) else None)
-    if not isinstance(name, str):
-        raise ValueError(f"{sample.describe()}: no environment: set rollout.environment.env_id, or give the row an "
-                         "env_id field")
-    return name
+    return env_name(c.env_id, sample, "env_id", "env_id")
 
 
 class GemEpisode:
@@ -74,9 +70,7 @@ class GemEpisode:
         return ([] if done else [{"role": "user", "content": self._text(observation, info)}]), done
 
     async def reward(self) -> float | None:
-        if not self.rewards:
-            return 0.0
-        return sum(self.rewards) if self.c.reward == "sum" else self.rewards[-1]
+        return episode_reward(self.rewards, self.c.reward)
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)

@@ -34,7 +34,7 @@ import zlib
 from typing import Any, Callable
 
 from tether.envs.config import OpenEnvConfig
-from tether.envs.episode import load_factory, run_episode
+from tether.envs.episode import episode_reward, load_factory, run_episode
 from tether.errors import EnvironmentFailure
 from tether.rollout.generate_fn import GenerateContext
 from tether.run.faults import inject_fault
@@ -169,9 +169,7 @@ class OpenEnvEpisode:
         return ([{"role": "user", "content": text}] if text and not done else []), done
 
     async def reward(self) -> float | None:
-        if not self.rewards:
-            return 0.0
-        return sum(self.rewards) if self.c.reward == "sum" else self.rewards[-1]
+        return episode_reward(self.rewards, self.c.reward)
 
     async def close(self) -> None:
         await self.session.close()

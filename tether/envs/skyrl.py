@@ -26,7 +26,7 @@ import functools
 from typing import Any
 
 from tether.envs.config import SkyrlEnvironmentConfig
-from tether.envs.episode import call_env, run_episode
+from tether.envs.episode import call_env, env_name, episode_reward, run_episode
 from tether.rollout.generate_fn import GenerateContext
 from tether.sample import Sample
 
@@ -42,11 +42,7 @@ def _skyrl() -> Any:
 
 
 def env_class_of(c: SkyrlEnvironmentConfig, sample: Sample) -> str:
-    name = c.env_class or (sample.metadata.get("env_class") if isinstance(sample.metadata, dict) else None)
-    if not isinstance(name, str):
-        raise ValueError(f"{sample.describe()}: no environment: set rollout.environment.env_class, or give the row "
-                         "an env_class field")
-    return name
+    return env_name(c.env_class, sample, "env_class", "env_class")
 
 
 def extras_of(c: SkyrlEnvironmentConfig, sample: Sample) -> dict[str, Any]:
@@ -85,9 +81,7 @@ class SkyrlEpisode:
         return [dict(m) for m in out.get("observations") or []], bool(out.get("done"))
 
     async def reward(self) -> float | None:
-        if not self.rewards:
-            return 0.0  # no step was taken (the first turn used the whole budget): the environment saw nothing
-        return sum(self.rewards) if self.c.reward == "sum" else self.rewards[-1]
+        return episode_reward(self.rewards, self.c.reward)
 
     def metrics(self) -> dict[str, float]:
         found = self.env.get_metrics() if self.env is not None else {}
