@@ -90,7 +90,10 @@ async def run_episode(ctx: GenerateContext, sample: Sample, sampling_params: dic
     except ConversationAborted:
         return sample  # cut short by the rollout: it is dropped or continued, as any aborted sample
     finally:
-        await episode.close()
+        try:
+            await episode.close()
+        except Exception:  # noqa: BLE001 - the episode is over; an environment that fails to close costs it nothing
+            sample.metrics["env_close_errors"] = 1.0
     return sample
 
 
