@@ -131,3 +131,21 @@ def test_a_run_with_injected_tool_and_reward_faults_finishes_and_dumps_them(ray_
                and f["remove"] for f in failed)
     for r in trained:
         assert r["rollout/trained_frac"] == 1 - r["failures/samples"] / 16
+
+
+def test_trajectories_in_segments_train_together(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """A generate function returning two segments for some samples (a sub-agent's): groups of 6 samples
+    and 4 trajectories train, each optimizer step taking whole trajectories."""
+    out = tmp_path / "run"
+    raw = tiny_config(tiny_model_dir, addition_data, out, checkpoint={"save_interval": 100},
+                      rollout={"num_rollout": 2, "custom_generate_fn": f"{USER_GENERATE}:with_sub_agent"})
+    train(config_from_dict(raw))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/optimizer_steps" in r]
+    assert [r["train/optimizer_steps"] for r in trained] == [2.0, 2.0]  # 16 trajectories, 8 per step
+    assert all(r["rollout/samples"] == 24.0 for r in trained)  # 4 prompts x (2 trajectories x 2 segments + 2)
+    dump = [json.loads(line) for line in (out / "rollouts" / "rollout_000000.jsonl").read_text().splitlines()]
+    per_group = {}
+    for row in dump:
+        per_group.setdefault(row["group_index"], []).append(row["sample_index"])
+    assert all(sorted(v) == [0, 0, 1, 2, 2, 3] for v in per_group.values())

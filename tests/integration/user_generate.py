@@ -132,3 +132,15 @@ async def calls_a_tool(ctx, sample, sampling_params):
     ctx.insert(sample, result.output[:1])
     await ctx.generate_into(sample, sampling_params)
     return sample
+
+
+async def with_sub_agent(ctx, sample, sampling_params):
+    """Even samples hand part of the work to a sub-agent: a second segment of the same trajectory (its
+    own prompt and response, the same sample_index), returned after the main one."""
+    await ctx.generate_into(sample, sampling_params)
+    if sample.sample_index % 2:
+        return sample
+    sub = Sample(sample.prompt_index, sample.sample_index, sample.prompt, sample.label, dict(sample.metadata),
+                 list(sample.prompt_ids) + [7], rollout_id=sample.rollout_id)
+    await ctx.generate_into(sub, sampling_params)
+    return [sample, sub]

@@ -36,7 +36,7 @@ from tether.rollout.generate_fn import CustomGenerate, takes_evaluation
 from tether.rollout.health import RolloutHealth
 from tether.rollout.modes import StreamMode, make_mode
 from tether.rollout.prompt_format import ROUND_TRIP_ROWS, round_trip_problems
-from tether.rollout.results import group_size, rollout_metrics, to_train_batch
+from tether.rollout.results import rollout_metrics, to_train_batch, trajectory_layout
 from tether.rollout.rollout_fn import (EvalDataSource, RolloutContext, RolloutDataSource, RolloutFnError,
                                        RolloutOutput, call_rollout_fn, load_rollout_fn)
 from tether.rollout.stream import STREAM_STATE, StreamSettings
@@ -221,7 +221,8 @@ class RolloutManager:
             metrics["rollout/trained_frac"] = check_trained(samples, self.policy, f"rollout {rollout_id}")
         except RolloutFailed as err:
             raise RolloutFailed(f"{err}\n{where}") from None
-        batch = to_train_batch(samples, self._group_size(groups), r.temperature)
+        size, trajectories = self._layout(groups)
+        batch = to_train_batch(samples, size, r.temperature, trajectories)
         end = time.perf_counter()
         metrics["timing/rollout_postprocess_s"] = end - post_start  # post-process, metrics, dump, batch
         # The rollout function's time outside the driver's generate: its event loop and HTTP client,
@@ -282,14 +283,16 @@ class RolloutManager:
             out.metrics["faults/samples_reissued"] = float(fleet.reissued_samples - reissued)
         return out
 
-    def _group_size(self, groups: list[list[Sample]]) -> int:
-        size = group_size(groups, self.cfg)
-        total, batch = size * len(groups), self.cfg.global_batch_size
+    def _layout(self, groups: list[list[Sample]]) -> tuple[int, list[int] | None]:
+        """(trajectories per group, each sample's trajectory or None): tether/rollout/results.py."""
+        size, trajectories = trajectory_layout(groups, self.cfg)
+        total, batch = size * len(groups), self.cfg.global_batch_size  # trajectories (samples, without segments)
         if self.rollout_fn is not None and total % batch:
             raise RolloutFnError(f"rollout.custom_rollout_fn '{self.cfg.rollout.custom_rollout_fn}' returned {total} "
-                                 f"samples ({len(groups)} groups of {size}); training takes a multiple of "
+                                 f"{'trajectories' if trajectories else 'samples'} ({len(groups)} groups of {size}); "
+                                 "training takes a multiple of "
                                  f"train.global_batch_size={batch}")
-        return size
+        return size, trajectories
 
     def eval(self, rollout_id: int) -> dict:
         """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed)."""

@@ -16,7 +16,7 @@ import ray
 
 from tether.config import ConfigError, TetherConfig
 from tether.rollout.manager import DATA_STATE
-from tether.rollout.results import rollout_metrics, to_train_batch
+from tether.rollout.results import rollout_metrics, to_train_batch, trajectory_layout
 from tether.sample import sample_from_dict
 
 
@@ -53,8 +53,12 @@ class ReplayRollout:
                 except (ValueError, TypeError) as err:
                     raise ConfigError(f"{path}:{line_no}: not a saved sample ({err})") from None
         r = self.cfg.rollout
-        batch = to_train_batch(samples, r.n_samples_per_prompt, r.temperature)
+        groups: dict[int, list] = {}
+        for sample in samples:  # in file order: a group's samples, a trajectory's segments, adjacent
+            groups.setdefault(sample.group_index, []).append(sample)
         try:
+            size, trajectories = trajectory_layout(list(groups.values()), self.cfg)
+            batch = to_train_batch(samples, size, r.temperature, trajectories)
             batch.validate()
         except ValueError as err:
             raise ConfigError(f"{path}: {err}") from None

@@ -37,7 +37,10 @@ def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
             for k in names}
 
 
-def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -> TrainBatch:
+def to_train_batch(samples: list[Sample], group_size: int, temperature: float,
+                   trajectories: list[int] | None = None) -> TrainBatch:
+    """``group_size``: trajectories per group; ``trajectories``: each sample's (trajectory_layout), None
+    when every sample is a trajectory of its own."""
     return TrainBatch(
         tokens=[s.prompt_ids + s.response_ids for s in samples],
         prompt_lengths=[len(s.prompt_ids) for s in samples],
@@ -53,14 +56,42 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float) -
         loss_masks=[[0] * s.response_length if s.remove else s.response_loss_mask() for s in samples]
         if any(s.loss_mask is not None or s.remove for s in samples) else None,
         excluded=[s.remove for s in samples] if any(s.remove for s in samples) else None,
+        trajectories=trajectories,
     )
 
 
 def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
-    """Samples per group in the trained batch: n_samples_per_prompt, or more when a generate function
-    returns several samples for one; every group must have the same number."""
-    sizes = sorted({len(g) for g in groups})
-    if len(sizes) > 1:
-        raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
-                         "group advantages (a generate function returned a varying number of samples)")
-    return sizes[0] if sizes else cfg.rollout.n_samples_per_prompt
+    """Trajectories per group in the trained batch (see ``trajectory_layout``)."""
+    return trajectory_layout(groups, cfg)[0]
+
+
+def trajectory_layout(groups: list[list[Sample]], cfg: TetherConfig) -> tuple[int, list[int] | None]:
+    """(trajectories per group, each sample's trajectory in the batch, or None when every sample is one).
+
+    A generate function may return several samples for one: with new sample indices they are more
+    samples of the group (every group must then have as many); sharing the sample index they came
+    from, they are segments of one trajectory (a sub-agent's run, a compacted context), any number
+    per trajectory: the trajectory is what group statistics count, and its segments stay together."""
+    keys = [[s.sample_index for s in g] for g in groups]
+    if all(len(set(k)) == len(k) for k in keys):
+        sizes = sorted({len(g) for g in groups})
+        if len(sizes) > 1:
+            raise ValueError(f"groups of {sizes} samples in one rollout: every group must have the same size for "
+                             "group advantages (a generate function returned a varying number of samples; "
+                             "segments of one trajectory keep the sample_index they came from)")
+        return (sizes[0] if sizes else cfg.rollout.n_samples_per_prompt), None
+    counts = sorted({len(set(k)) for k in keys})
+    if len(counts) > 1:
+        raise ValueError(f"groups of {counts} trajectories in one rollout: every group must have the same number")
+    trajectories: list[int] = []
+    base = 0
+    for g, group_keys in enumerate(keys):
+        order: dict[int, int] = {}
+        for j, key in enumerate(group_keys):
+            if key in order and group_keys[j - 1] != key:
+                raise ValueError(f"the segments of trajectory sample_index={key} of group {g} are not adjacent: a "
+                                 "generate function returns a trajectory's segments one after another")
+            order.setdefault(key, len(order))
+            trajectories.append(base + order[key])
+        base += len(order)
+    return counts[0], trajectories

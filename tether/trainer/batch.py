@@ -36,6 +36,12 @@ class TrainBatch:
     loss: removed by a filter or a generate function (Sample.remove). Their reward is not a zero; it
     counts nowhere. None: none."""
 
+    trajectories: list[int] | None = None
+    """The trajectory each sample belongs to (0, 0, 1, 2, 2, 2, ...: a trajectory's segments adjacent),
+    when a generate function returned several segments of one (a sub-agent, a compacted context):
+    group statistics count trajectories (group_size of them per group), a trajectory's advantage is
+    each of its segments', and an optimizer step takes whole trajectories. None: a sample is a trajectory."""
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -62,17 +68,22 @@ class TrainBatch:
             sample_ids=pick(self.sample_ids) if self.sample_ids else [],
             loss_masks=pick(self.loss_masks),
             excluded=pick(self.excluded),
+            trajectories=pick(self.trajectories),
         )
 
     def validate(self) -> None:
         n = len(self.tokens)
         for name in ("prompt_lengths", "response_lengths", "rewards", "rollout_logprobs", "sample_ids", "loss_masks",
-                     "excluded"):
+                     "excluded", "trajectories"):
             values = getattr(self, name)
             if values is None or (name == "sample_ids" and not values):
                 continue  # optional fields
             if len(values) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(values)} entries for {n} samples")
+        t = self.trajectories
+        if t is not None and any(b not in (a, a + 1) for a, b in zip([-1] + t, t)):
+            raise ValueError(f"TrainBatch.trajectories must number trajectories 0, 1, 2, ... with each one's "
+                             f"samples adjacent, got {t[:20]}")
         for i, (toks, p, r) in enumerate(zip(self.tokens, self.prompt_lengths, self.response_lengths)):
             if p < 1 or p + r != len(toks):
                 raise ValueError(f"TrainBatch sample {i}: prompt {p} + response {r} != {len(toks)} tokens")

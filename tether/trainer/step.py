@@ -26,6 +26,7 @@ from torch import nn
 from tether.algorithms.advantages import AdvantageInputs, AdvantageParams, get_advantage_estimator
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.kl import kl_estimate
+from tether.algorithms.names import TOKEN_LEVEL
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.trainer.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
 from tether.trainer import mismatch
@@ -139,6 +140,8 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
     outcome reward sits on the last policy token); the results go back to their positions, 0 on
     masked tokens. ``old`` and ``ref`` are needed (not None) with a KL penalty in the reward."""
     keep = [torch.tensor(batch.loss_mask(i), dtype=torch.bool) for i in range(len(batch))]
+    if batch.trajectories is not None:
+        return trajectory_advantages(batch, s, keep)
     lengths = [int(k.sum()) for k in keep]
     mask = padded({i: torch.ones(r) for i, r in enumerate(lengths)}, lengths)
     kl = None
@@ -165,6 +168,29 @@ def compute_advantages(batch: TrainBatch, s: StepSettings, old: dict[int, torch.
 
     returns = None if result.returns is None else spread(result.returns)
     return spread(result.advantages), returns, metrics
+
+
+def trajectory_advantages(batch: TrainBatch, s: StepSettings, keep: list[torch.Tensor]):
+    """Advantages of a batch with segments: the estimator sees one reward per trajectory (its last
+    counted segment's; a trajectory whose every segment is excluded counts in no statistic), and every
+    trained token of every segment gets its trajectory's advantage. Outcome estimators only: a
+    token-level one (or a KL penalty in the reward) has no meaning across segments."""
+    if s.advantage_estimator in TOKEN_LEVEL or s.advantage_params.kl_coef > 0:
+        raise ValueError(f"algorithm.advantage_estimator {s.advantage_estimator!r}"
+                         + (" with a KL penalty in the reward" if s.advantage_params.kl_coef > 0 else "")
+                         + " works per token; a rollout whose samples are segments of trajectories needs an "
+                           "outcome estimator (grpo, dr_grpo, rloo, gspo)")
+    assert batch.trajectories is not None and batch.rewards is not None
+    n = batch.trajectories[-1] + 1
+    rewards, excluded = [0.0] * n, [True] * n
+    for i, t in enumerate(batch.trajectories):
+        if batch.excluded is None or not batch.excluded[i]:
+            rewards[t], excluded[t] = batch.rewards[i], False
+    inputs = AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), torch.ones(n, 1), batch.group_size,
+                             excluded=torch.tensor(excluded) if any(excluded) else None)
+    result, metrics = get_advantage_estimator(s.advantage_estimator)(inputs, s.advantage_params)
+    per = result.advantages[:, 0]
+    return {i: per[t] * k.float() for i, (t, k) in enumerate(zip(batch.trajectories, keep))}, None, metrics
 
 
 def token_abs_diffs(batch: TrainBatch, indices: list[int], old: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -343,16 +369,29 @@ def prepare_rl_inputs(state: TrainState, batch: TrainBatch, s: StepSettings, ass
     return RLInputs(advantages, returns, old, ref, values, None if separate_old else {}, metrics)
 
 
+def optimizer_steps(batch: TrainBatch, global_batch_size: int) -> list[list[int]]:
+    """The samples of each optimizer step: global_batch_size of them, or of trajectories when the batch
+    has segments (TrainBatch.trajectories), so that a trajectory's segments take one step together."""
+    t = batch.trajectories
+    n = len(batch) if t is None else t[-1] + 1
+    what = "samples" if t is None else "trajectories"
+    if n % global_batch_size:
+        raise ValueError(f"batch of {n} {what} is not a multiple of global_batch_size={global_batch_size}")
+    if t is None:
+        return [list(range(k * global_batch_size, (k + 1) * global_batch_size)) for k in range(n // global_batch_size)]
+    steps: list[list[int]] = [[] for _ in range(n // global_batch_size)]
+    for i, trajectory in enumerate(t):
+        steps[trajectory // global_batch_size].append(i)
+    return steps
+
+
 def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int, world: int,
                 what: str = "train") -> dict:
     """All optimizer steps of one rollout (or one SFT batch) on this rank; returns global metrics
     (and "warnings" for skipped non-finite steps). ``what`` names the batch in messages."""
     batch.validate()
-    n = len(batch)
-    if n % s.global_batch_size:
-        raise ValueError(f"batch of {n} samples is not a multiple of global_batch_size={s.global_batch_size}")
-    steps = n // s.global_batch_size
-    global_steps = [list(range(k * s.global_batch_size, (k + 1) * s.global_batch_size)) for k in range(steps)]
+    global_steps = optimizer_steps(batch, s.global_batch_size)
+    steps = len(global_steps)
     assigned = [assign_ranks(batch, idx, s, rank, world) for idx in global_steps]
     phases: dict[str, float] = {}  # where this rank's time went: old/ref passes, forward/backward, optimizer
     rl = prepare_rl_inputs(state, batch, s, assigned, phases) if batch.rewards is not None else None
