@@ -68,3 +68,40 @@ def test_a_multi_turn_function_streams_across_takes_and_pauses(engine, tiny_mode
             assert s.loss_mask[first:first + len(tool)] == [0] * len(tool)
             assert s.status in ("completed", "truncated") and set(s.weight_versions) == {0}
             assert s.reward == float(s.response_length % 2)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.0])
+def test_failed_samples_stream_masked_and_a_storm_stops_the_take(engine, tiny_model_dir, budget):
+    """The stream's groups go through the same failure handling: a sample that fails is masked (its
+    group still trains); over the budget, the next take stops naming the failures."""
+    from tether.errors import RolloutFailed
+    from tether.rollout.failures import FailurePolicy
+
+    policy = FailurePolicy(max_failed_frac=budget, min_trained_frac=0.0)
+    custom = CustomGenerate(f"{USER}:fails_sample_1", tokenizer=load_tokenizer(str(tiny_model_dir)), policy=policy)
+    data = DataSource(rows({}), prompts_per_rollout=NEED, n_samples_per_prompt=N, shuffle=True, seed=0)
+    settings = StreamSettings(need=NEED, max_staleness=4, start_per_take=NEED, max_in_flight=None,
+                              stale_groups="retry", groups_per_request=1, pause_mode="in_place", seed=0, timeout_s=60,
+                              policy=policy)
+
+    async def keep_rewards(group):
+        for s in group:
+            if not s.failed:
+                s.reward = 1.0
+
+    stream = RolloutStream(EngineFleet([engine.url], timeout_s=60), data,
+                           SamplingParams(temperature=1.0, max_new_tokens=6), settings, keep_rewards,
+                           lambda group: (True, ""), custom)
+    try:
+        stream.start(0, 0)
+        if budget == 0.0:
+            with pytest.raises(RolloutFailed, match=r"rollout stream, before take 0: \d+ samples failed \(generate"):
+                stream.take(0)
+            return
+        flights, metrics = stream.take(0)
+    finally:
+        stream.close()
+    assert metrics["failures/generate"] >= NEED and len(stream.taken_failures.rows) == metrics["failures/samples"]
+    for flight in flights:
+        good, bad = flight.samples
+        assert not good.failed and good.reward == 1.0 and bad.failed and bad.failure["kind"] == "generate"

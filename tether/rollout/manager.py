@@ -240,7 +240,12 @@ class RolloutManager:
     def stream_take(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
         """The next rollout from the stream (called with num_returns=2, like generate)."""
         start = time.perf_counter()
-        flights, metrics, dropped, failed = self._stream_mode().take(rollout_id)
+        mode = self._stream_mode()
+        try:
+            flights, metrics, dropped, failed = mode.take(rollout_id)
+        except RolloutFailed as err:  # over the failure budget: the samples that failed, for the record
+            rows = mode.require().runner.failures.rows
+            raise RolloutFailed(f"{err}\n{self._dump_failures(rollout_id, rows)}") from None
         if dropped:  # which prompts went untrained, for the record
             self.dumps.rows([{**s.to_dict(), "epoch": f.epoch, "draw": f.seq} for f in dropped for s in f.samples],
                             f"rollout_{rollout_id:06d}_dropped_stale.jsonl")
