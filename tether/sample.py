@@ -80,7 +80,7 @@ class Sample:
     failure: dict | None = None
 
     def fail(self, kind: str, error: str, attempts: int = 1) -> None:
-        """Mark the sample failed (kind: tether/rollout/failures.py's KINDS): removed from training, its
+        """Mark the sample failed (kind: one of tether/rollout/failures.py's kinds): removed from training, its
         group's statistics and the rollout's reward metrics, with the reason kept for the dump."""
         self.failure = {"kind": kind, "error": error, "attempts": int(attempts)}
         self.remove = True

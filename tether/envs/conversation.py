@@ -42,6 +42,7 @@ class Conversation:
         self.tools, self.template = tools or None, chat_template
         self.parse = load_tool_parser(tool_parser) if tool_parser is not None else (lambda text: (text, []))
         self.turns = 0
+        self._stand_in: list[int] | None = None
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         text = self.ctx.tokenizer.apply_chat_template(normalised_messages(messages), tools=self.tools,
@@ -103,7 +104,9 @@ class Conversation:
         template's opening of the next assistant turn."""
         if not messages or self.done:
             return
-        before = self._render(_STAND_IN, False)
+        if self._stand_in is None:  # the same for every insertion of this conversation: rendered once
+            self._stand_in = self._render(_STAND_IN, False)
+        before = self._stand_in
         after = self._render(_STAND_IN + messages, True)
         eos = self.ctx.tokenizer.eos_token_id
         # The stand-in turn ends at its end-of-turn token; whatever the template writes after it (a

@@ -34,8 +34,6 @@ import httpx
 from tether.errors import RolloutFailed, SampleFailure
 from tether.sample import RETRIES, UNSCORED, Sample
 
-KINDS = ("engine", "tool", "environment", "reward", "generate", "stall", "unscored")
-RETRIED_KINDS = ("engine", "tool", "environment", "reward", "generate")
 EXAMPLES = 5
 """Failures quoted in full when a budget stops a run."""
 
@@ -90,11 +88,14 @@ class FailureLog:
     failed: Counter = field(default_factory=Counter)
     retried: Counter = field(default_factory=Counter)
     unscored: int = 0
+    judged: int = 0
+    """Samples of the groups judged."""
     examples: list[str] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     """Every failed sample as dumped (Sample.to_dict), kept groups' and dropped ones'."""
 
     def add_group(self, samples: list[Sample]) -> None:
+        self.judged += len(samples)
         for s in samples:
             for key, n in s.metrics.items():
                 if key.startswith(RETRIES):
@@ -114,6 +115,7 @@ class FailureLog:
         self.failed.update(other.failed)
         self.retried.update(other.retried)
         self.unscored += other.unscored
+        self.judged += other.judged
         self.examples = (self.examples + other.examples)[:EXAMPLES]
         self.rows += other.rows
 

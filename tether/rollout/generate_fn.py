@@ -229,10 +229,11 @@ class CustomGenerate:
         attempts left (tether/rollout/failures.py); a sample that still fails comes back failed."""
         if sample.status in ("completed", "truncated") or sample.failed:  # carried over done (partial rollout)
             return [sample]
-        start = copy.deepcopy(sample)
+        # Its state at the start, for a retry (none can be when no kind is retried).
+        start = copy.deepcopy(sample) if self.policy.max_attempts > 1 and self.policy.retry else None
         retries: list[str] = []
         while True:
-            trial = sample if not retries else copy.deepcopy(start)
+            trial = sample if start is None or not retries else copy.deepcopy(start)
             token = CURRENT_SAMPLE.set(SampleCall((sample.rollout_id, sample.prompt_index, sample.sample_index),
                                                   len(retries) + 1))
             try:
@@ -240,7 +241,7 @@ class CustomGenerate:
                                                timeout_s, evaluation)
                 failure = None
             except GenerateError as err:
-                if _engine_lost(err):  # the group moves to another engine (group_runner.py)
+                if lost_connection(err) is not None:  # the group moves to another engine (group_runner.py)
                     raise
                 failure, produced = (classify(err), str(err)), [trial]
             finally:
@@ -287,12 +288,13 @@ class CustomGenerate:
         return self.field if spec == self.default else f"metadata.{ROW_KEY}"
 
 
-def _engine_lost(err: GenerateError) -> bool:
-    """A connection to the engine broke (not a timeout): the engine is gone, not the sample."""
+def lost_connection(err: BaseException) -> BaseException | None:
+    """The broken connection to the engine behind ``err`` (not a timeout: the engine is gone, not the
+    sample), or None."""
     cause = err.__cause__
     while isinstance(cause, GenerateError) and cause.__cause__ is not None:
         cause = cause.__cause__
-    return isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
+    return cause if isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException) else None
 
 
 def row_spec(metadata, data_path: str) -> str | None:

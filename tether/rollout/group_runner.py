@@ -32,7 +32,7 @@ from tether.engine.sampling import SamplingParams
 from tether.progress import PROGRESS
 from tether.rollout.failures import FailureLog, FailurePolicy
 from tether.rollout.fleet import EngineFleet
-from tether.rollout.generate_fn import CustomGenerate, GenerateError, group_tokens
+from tether.rollout.generate_fn import CustomGenerate, GenerateError, group_tokens, lost_connection
 from tether.rollout.router import EngineLost
 from tether.rollout.watchdog import Watchdog
 from tether.sample import UNSCORED, Sample, counted
@@ -121,11 +121,10 @@ class GroupRunner:
                                                                   rids, is_cut, self.timeout_s, self.evaluation)
                 return
             except (EngineLost, GenerateError) as err:
-                cause = err.__cause__
-                connection = isinstance(cause, httpx.TransportError) and not isinstance(cause, httpx.TimeoutException)
+                cause = lost_connection(err)
                 if before is None:
                     raise
-                if connection:
+                if cause is not None:
                     reason = f"{type(cause).__name__}: {cause}"
                 elif isinstance(err, EngineLost):
                     reason = err.reason

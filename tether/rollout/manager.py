@@ -124,7 +124,7 @@ class RolloutManager:
                               start_per_take=r.groups_to_start, max_in_flight=r.max_concurrent_groups,
                               stale_groups=schedule.stale_groups, groups_per_request=r.groups_per_request,
                               pause_mode=schedule.pause_mode, seed=self.cfg.seed,
-                              timeout_s=self.cfg.cluster.call_timeout_s, policy=FailurePolicy.from_config(r.failures))
+                              timeout_s=self.cfg.cluster.call_timeout_s, policy=self.policy)
 
     def num_rollout_per_epoch(self) -> int:
         return self._require_data().num_rollout_per_epoch

@@ -60,11 +60,6 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float,
     )
 
 
-def group_size(groups: list[list[Sample]], cfg: TetherConfig) -> int:
-    """Trajectories per group in the trained batch (see ``trajectory_layout``)."""
-    return trajectory_layout(groups, cfg)[0]
-
-
 def trajectory_layout(groups: list[list[Sample]], cfg: TetherConfig) -> tuple[int, list[int] | None]:
     """(trajectories per group, each sample's trajectory in the batch, or None when every sample is one).
 

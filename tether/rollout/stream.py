@@ -307,8 +307,11 @@ class RolloutStream:
             self.ready.append(flight)
         else:
             self.counts[f"dropped/{reason or 'filtered'}"] += 1
-        self.runner.failures.check(self.s.policy, self.s.need * len(flight.samples),
-                                   f"rollout stream, before take {self.next_take}")
+        # The stream runs ahead of the takes (up to max_staleness of them): the budget is a share of what
+        # it judged, at least one take's worth.
+        failures = self.runner.failures
+        failures.check(self.s.policy, max(self.s.need * len(flight.samples), failures.judged),
+                       f"rollout stream, before take {self.next_take}")
 
     def _requeue(self, flight: Flight) -> None:
         """Back to the queue, in draw order (a continued group keeps its partial responses)."""
