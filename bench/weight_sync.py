@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from tether.engine.actor import EngineActor  # noqa: E402
 from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from tether.trainer.model import full_tensors  # noqa: E402
+from tether.models.lora import merged_tensors  # noqa: E402
 from tether.weight_sync.distributed import DistributedSender, free_port  # noqa: E402
 from tether.weight_sync.group import join_group  # noqa: E402
 from tether.weight_sync.object_store import ObjectStoreSender  # noqa: E402
@@ -77,7 +77,7 @@ class Trainer:
     def push(self, transport: str, bucket_bytes: int, version: int) -> dict[str, float]:
         sender = self.senders[transport]
         sender.bucket_bytes = bucket_bytes
-        return sender.send(full_tensors(self.model), version)
+        return sender.send(merged_tensors(self.model), version)
 
     def perturb(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -86,7 +86,7 @@ class Trainer:
                 p.add_(torch.randn(p.shape, generator=g) * 1e-3)
 
     def digest(self) -> list[str]:
-        return digest(t for _, t in full_tensors(self.model))
+        return digest(t for _, t in merged_tensors(self.model))
 
 
 class GlooPeer:

@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                             description="write a checkpoint's model as an HF directory (safetensors, config, tokenizer)")
     export.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its latest complete one)")
     export.add_argument("out", help="output directory")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapters as a PEFT adapter folder, instead of the merged model")
     gguf = sub.add_parser("import-gguf", help="turn a GGUF file into an HF model directory (float32)",
                           description="turn a GGUF file (llama.cpp's format) into an HF model directory: config, "
                           "float32 safetensors, tokenizer with its chat template")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         from tether.models.export import export_checkpoint
 
         try:
-            print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+            print(f"exported to {export_checkpoint(args.checkpoint, args.out, args.adapter)}")
         except (FileNotFoundError, ValueError) as err:  # no checkpoint there; a foreign or partial one
             print(f"tether: {err}", file=sys.stderr)
             return 2

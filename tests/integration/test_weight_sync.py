@@ -12,7 +12,7 @@ from tether.trainer.batch import TrainBatch
 from tether.cluster import plan_placement, wait
 from tether.config import config_from_dict
 from tether.rollout.handle import create_engines
-from tether.trainer.model import full_tensors
+from tether.models.lora import merged_tensors
 from tether.trainer.group import TrainerGroup
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ def engine_sample(engine, prompt, seed=7):
 def trainer_weights(trainer) -> dict[str, torch.Tensor]:
     """Rank 0's full weights (gathering them is a collective: every rank takes part)."""
     def gather(actor):
-        return {name: t.clone() for name, t in full_tensors(actor.model)}
+        return {name: t.clone() for name, t in merged_tensors(actor.model)}
     return wait([a.__ray_call__.remote(gather) for a in trainer.group.actors], 60, "trainer weights")[0]
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tether.algorithms.names import POLICY_LOSS_NAMES, TOKEN_LEVEL
 from tether.config.base import Section
 from tether.config.raw import apply_overrides, resolve_function_specs
+from tether.models.lora_config import LoRAConfig
 from tether.engine.config import EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServerConfig
 from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
 from tether.rollout.config import RolloutConfig
@@ -87,6 +88,9 @@ class ModelConfig(Section):
     """Parameter dtype of trainer and engine. float32 makes engine and trainer log-probs identical."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the linear layers instead of every weight (docs/lora.md); None: full
+    fine-tuning."""
 
 
 class DataConfig(Section):

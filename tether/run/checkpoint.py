@@ -5,12 +5,13 @@ Layout of ``<checkpoint_dir>``::
     latest                      text file naming the newest complete checkpoint (moved last)
     rollout_000012/             state after rollout 12 finished
         meta.json               rollout id, wall time, resolved config
-        train/                  torch.distributed.checkpoint (DCP): model and optimizer shards, LR
-                                scheduler, RNG states (python, numpy, torch; as tensors) of every trainer
+        train/                  torch.distributed.checkpoint (DCP): model and optimizer shards (only the
+                                adapters of a LoRA run: its base is model.path's), LR scheduler, RNG states (python, numpy, torch; as tensors) of every trainer
                                 rank. Loaded without running code from the files (safe_load.py)
         data_source.json        where the rollout stands: the prompt-data position (epoch, offset, seed),
                                 the partial-rollout buffer, the fully async stream (rollout/manager.py)
-        hf_config/              the model's config and tokenizer (no weights): `tether export` needs nothing else
+        hf_config/              the model's config and tokenizer (no weights): `tether export` needs nothing
+                                else (a LoRA run's export reads its base from model.path)
 
 A checkpoint is written to ``rollout_000012.tmp`` and renamed only when every part is there, so a
 crash mid-save leaves the previous checkpoint valid. DCP re-shards on load, so a run saved with N
@@ -31,7 +32,7 @@ from typing import Callable, cast
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -192,6 +193,21 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         CUDA.set_rng_state(state["cuda"])
 
 
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""A checkpoint holds what trains: all of a fully fine-tuned model, a LoRA run's adapters (its frozen base
+is model.path's, loaded again on resume)."""
+
+
+def _loading(model: torch.nn.Module) -> StateDictOptions:
+    """Non-strict with a frozen base: the frozen weights are model.path's and not in the checkpoint. What
+    trains is all there: the state loaded is this model's own trained one, which DCP filled key by key."""
+    return StateDictOptions(ignore_frozen_params=True, strict=not _frozen_aliases(model))
+
+
+def _frozen_aliases(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+
 class TrainerState(Stateful):
     """One rank's trainer state as a DCP Stateful: model and optimizer (sharded, re-sharded on load),
     LR scheduler (replicated), and this rank's RNG streams (one key per rank)."""
@@ -204,14 +220,17 @@ class TrainerState(Stateful):
         self.with_rng = with_rng  # False for parts that share the rank's RNG (the critic)
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=TRAINED_ONLY)
+        for name in _frozen_aliases(self.model):  # a tied head's second name escapes ignore_frozen_params
+            model_sd.pop(name, None)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
         if self.with_rng:
             state[f"rng_rank{self.rank}"] = rng_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_loading(self.model))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.with_rng and self.rng_rank is not None:
             set_rng_state(state[f"rng_rank{self.rng_rank}"])

@@ -49,8 +49,30 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
             problems.append(f"  {field}: {target} does not exist (a relative path in a config file is resolved "
                             "against the file's folder, one in an override against the working directory)")
     problems += missing_packages(cfg)
+    if cfg.model.lora is not None and command in ("train", "sft") and not problems:
+        problems += lora_targets(cfg)
     if problems:
         raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
+
+
+def lora_targets(cfg: TetherConfig) -> list[str]:
+    """model.lora.target_modules checked against the model's layers, built on the meta device (no weights
+    read; a second or two)."""
+    config_file = Path(cfg.model.path) / "config.json"
+    if not config_file.is_file():  # a Hub id: checked where the model is loaded
+        return []
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tether.models.lora import target_names
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    try:
+        target_names(model, cfg.model.lora, cfg.model.path)  # type: ignore[arg-type]
+    except ValueError as err:
+        return [f"  {err}"]
+    return []
 
 
 def _resolved_against(value: str) -> str:

@@ -28,7 +28,8 @@ from tether.run.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
 from tether.models.hf import load_model, load_tokenizer
-from tether.trainer.model import full_tensors, prepare_for_training, save_hf
+from tether.models.lora import has_lora, merged_tensors, trainable_count
+from tether.trainer.model import prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
@@ -105,9 +106,15 @@ class TrainActor:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         model = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device)
         self.model = prepare_for_training(model, self.cfg, self.mesh, self.device)
+        if self.rank == 0 and has_lora(self.model):
+            trained, total = trainable_count(self.model)
+            print(f"LoRA: {trained:,} of {total:,} parameters train ({100 * trained / total:.2f}%)", flush=True)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
-        if with_ref:
+        if with_ref and has_lora(self.model):
+            # The base with the adapters off is the starting policy: no second copy (step.py's reference pass).
+            self.ref_model = self.model
+        elif with_ref:
             # The reference is the starting policy, frozen: KL is measured against where we began.
             ref = load_model(self.cfg.model.path, self.cfg.model.dtype, self.device).eval()
             ref.requires_grad_(False)
@@ -199,7 +206,7 @@ class TrainActor:
         """Gather full weights (collective) and stream them from rank 0 to every engine."""
         self.policy_version = version
         if self.rank != 0:
-            for _ in full_tensors(self.model):  # other ranks take part in each gather
+            for _ in self._pushed(everything=False):  # other ranks take part in each gather
                 pass
             return {}
         if not self.engine_urls:
@@ -207,7 +214,7 @@ class TrainActor:
         if self.sender is None:  # an engine was replaced: the transport is set up again for all
             self.sender = self._sender(self.engines, self.engine_urls)
         try:
-            return self.sender.send(self._full_tensors_for(self.sender), version)
+            return self.sender.send(self._pushed(everything=False, device=self.sender.device), version)
         except Exception as err:  # noqa: BLE001 - an engine that died is named; any other failure stands
             dead = self._dead_engines()
             if not dead:
@@ -229,18 +236,23 @@ class TrainActor:
                 dead.append(index)
         return dead
 
-    def _full_tensors_for(self, sender: WeightSender):
-        """The gathered tensors where the transport takes them: the object store from host memory, a
-        broadcast from the device it runs on (NCCL: the GPU, so no trip through the host)."""
-        device = sender.device
-        return ((name, t.to(device)) for name, t in full_tensors(self.model))
+    def _pushed(self, everything: bool, device: str = "cpu"):
+        """The gathered tensors a push sends, where the transport takes them (the object store from host
+        memory, a broadcast from the device it runs on: NCCL's from the GPU, no trip through the host).
+
+        With LoRA only the adapted layers' merged weights change, and only they travel: every engine
+        loaded the same base from model.path, and no step touches the rest. Everything travels to an
+        engine that starts from nothing: one replaced, or one whose weights were released (offload).
+        """
+        only_adapted = not everything and not self.cfg.cluster.offload and has_lora(self.model)
+        return ((name, t.to(device)) for name, t in merged_tensors(self.model, only_adapted))
 
     def replace_engine(self, index: int, engine: Any, url: str) -> dict[str, float]:
         """A new engine takes engine ``index``'s place: it gets the current weights (as version
         ``policy_version``) through a transport of its own, now, while the others generate; the
         next push sets the transport up again for every engine."""
         if self.rank != 0:
-            for _ in full_tensors(self.model):  # other ranks take part in each gather
+            for _ in self._pushed(everything=True):  # other ranks take part in each gather
                 pass
             return {}
         self.engines[index], self.engine_urls[index] = engine, url
@@ -249,7 +261,7 @@ class TrainActor:
             self.sender = None
         one_off = self._sender([engine], [url])
         try:
-            return one_off.send(self._full_tensors_for(one_off), self.policy_version)
+            return one_off.send(self._pushed(everything=True, device=one_off.device), self.policy_version)
         finally:
             one_off.close()
 

@@ -7,17 +7,17 @@ The model has no distributed code; ``apply_fsdp`` shards each decoder layer and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.config import TetherConfig
 from tether.models.hf import DTYPES
+from tether.models.lora import apply_lora, merged_tensors
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -51,8 +51,13 @@ def prepare_for_training(model: PreTrainedModel, cfg: TetherConfig, mesh: Device
     """The model as the trainer runs it: checkpointed activations, the attention kernel for its
     dtype, FSDP2 with train.compute_dtype. ``backward=False`` for frozen models (the reference)."""
     dtype = compute_dtype(cfg)
+    lora = cfg.model.lora if backward else None
+    if lora is not None:
+        apply_lora(model, lora, cfg.model.path)
     if backward and cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # Non-reentrant: with a frozen base the recomputed block's inputs need no grad, and the reentrant
+        # kind would then drop the adapters' gradients.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": lora is None})
     if backward and device == "cpu" and (dtype or DTYPES[cfg.model.dtype]) == torch.bfloat16:
         # PyTorch's CPU flash-attention backward is slow in bfloat16: on SmolLM2's shape (16 x 9 heads
         # x 100 tokens) 32 ms against 11 in float32 and 6 for the plain matmul-softmax-matmul, which
@@ -67,20 +72,9 @@ def compute_dtype(cfg: TetherConfig) -> torch.dtype | None:
     return None if name is None or name == cfg.model.dtype else DTYPES[name]
 
 
-def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter and persistent buffer.
-
-    Gathering a sharded DTensor is a collective: every rank must iterate this in the same order.
-    """
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
-
-
 def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, source_path: str, out_dir: str | Path, rank: int) -> None:
     """Write an HF-format model (safetensors, config, tokenizer). Collective: call on every rank."""
-    state = {name: t.cpu().clone() for name, t in full_tensors(model)}
+    state = {name: t.cpu().clone() for name, t in merged_tensors(model)}  # adapters merged
     if rank != 0:
         return
     out_dir = Path(out_dir)

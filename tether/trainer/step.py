@@ -28,6 +28,7 @@ from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.kl import kl_estimate
 from tether.algorithms.names import TOKEN_LEVEL
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
+from tether.models.lora import adapters_disabled
 from tether.trainer.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
 from tether.trainer import mismatch
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
@@ -322,7 +323,8 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ref_model: PreTrainedModel | None = None
-    """The frozen reference policy (KL), when the config asks for one."""
+    """The frozen reference policy (KL), when the config asks for one: a LoRA run's policy model itself,
+    run with its adapters off."""
     objectives: list[Objective] = field(default_factory=list)
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
     """Counts non-finite steps across calls."""
@@ -357,7 +359,8 @@ def prepare_rl_inputs(state: TrainState, batch: TrainBatch, s: StepSettings, ass
         with timed(phases, "old_logprob"):
             old = response_logprobs(state.model, batch, assigned, s)
     if state.ref_model is not None:
-        with timed(phases, "ref_logprob"):
+        # A LoRA run's reference is the policy itself with its adapters off; a separate model has none.
+        with timed(phases, "ref_logprob"), adapters_disabled(state.ref_model):
             ref = response_logprobs(state.ref_model, batch, assigned, s)
     with timed(phases, "advantages"):
         for objective in state.objectives:
