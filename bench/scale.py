@@ -8,6 +8,7 @@ Qwen2-shaped models from ~4M to ~0.5B parameters: the time of each phase and the
     python bench/scale.py --sizes 0.5b --vocab 151936       # Qwen2.5's vocabulary size (494M), ~3.5 min
     python bench/scale.py --model-dir ~/.cache/tether/models/SmolLM2-135M-Instruct --sizes none \
         --ab train.logits_chunk_mb=0,256                    # any HF folder; each run once per value of a field
+    python bench/scale.py --sizes 0.5b --vocab 151936 --lora 16 # full fine-tuning against LoRA, side by side
 
 The times include building the models; later runs with the same --work reuse them.
 
@@ -251,7 +252,9 @@ class MemorySampler(threading.Thread):
 
 def run_one(size: str, dtype: str, model_dir: Path, data: Path, work: Path, args: argparse.Namespace,
             variant: str | None = None) -> dict:
-    name = f"{size} {SHORT[dtype]}" + (f" {variant.rpartition('.')[2]}" if variant else "")
+    label = variant and ("lora " + variant.rpartition("=")[2] if variant.startswith("model.lora.rank=")
+                         else variant.rpartition(".")[2])
+    name = f"{size} {SHORT[dtype]}" + (f" {label}" if label else "")
     slug = name.replace(" ", "-").replace("=", "")
     out = work / "runs" / slug
     log = work / "logs" / f"{slug}.log"
@@ -363,12 +366,16 @@ def main() -> None:
                         help="also run this HF model folder (repeatable; --sizes none for these alone)")
     parser.add_argument("--ab", metavar="section.field=V1,V2", help="run each model once per value of one field, "
                         "side by side (e.g. train.logits_chunk_mb=0,256: before/after)")
+    parser.add_argument("--lora", type=int, metavar="RANK", help="run each model twice, side by side: full "
+                        "fine-tuning, and LoRA of this rank on every linear layer (model.lora.rank=RANK)")
     args = parser.parse_args()
     sizes, dtypes = [s for s in args.sizes.split(",") if s != "none"], args.dtypes.split(",")
     variants: list[str | None] = [None]
     if args.ab:
         field, _, values = args.ab.partition("=")
         variants = [f"{field}={v}" for v in values.split(",")]
+    if args.lora:
+        variants = [None, f"model.lora.rank={args.lora}"]
     for size in sizes:
         if size not in SHAPES:
             parser.error(f"--sizes: {size!r} is not one of {', '.join(SHAPES)}")

@@ -3,6 +3,7 @@
     python bench/weight_sync.py                    # ~20M and ~100M-parameter Qwen2, buckets of 16/64/256 MB
     python bench/weight_sync.py --models qwen2-100M --buckets 64 --repeats 3
     python bench/weight_sync.py --quick            # the 20M model, 64 MB buckets, for a smoke run
+    python bench/weight_sync.py --lora 16          # a LoRA run's push: the adapted layers' merged weights
 
 Real Ray actors on this machine: a trainer-side actor holding the model (float32) and the sender, and
 an embedded engine actor (with its HTTP server) that receives every bucket and loads it into its own
@@ -20,6 +21,10 @@ transport and bucket size, the median and minimum seconds of a push (of --repeat
 push), GB/s, the median's ratio to memcpy, and where the push went by the sender's own timings
 (stage: writing buckets into shared memory or the object store; broadcast: gloo; wait: for the
 engine to load after the last write). Compare the ratios, not the absolute numbers, across machines.
+
+With --lora RANK the trainer's model has adapters of that rank on every linear layer and a push is what a
+LoRA run sends: the merged weights of the adapted layers only (the engine keeps the rest of the base).
+Its byte counts, memcpy floor and GB/s are of those tensors.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from tether.engine.actor import EngineActor  # noqa: E402
 from tether.models.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from tether.models.lora import merged_tensors  # noqa: E402
+from tether.models.lora import apply_lora, has_lora, merged_tensors  # noqa: E402
+from tether.models.lora_config import LoRAConfig  # noqa: E402
 from tether.weight_sync.distributed import DistributedSender, free_port  # noqa: E402
 from tether.weight_sync.group import join_group  # noqa: E402
 from tether.weight_sync.object_store import ObjectStoreSender  # noqa: E402
@@ -62,10 +68,19 @@ TIMEOUT_S = 300.0
 class Trainer:
     """Trainer rank 0's side of a push: the model and one sender per transport."""
 
-    def __init__(self, model_dir: str, threads: int):
+    def __init__(self, model_dir: str, threads: int, lora_rank: int = 0):
         torch.set_num_threads(threads)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if lora_rank:
+            apply_lora(self.model, LoRAConfig(rank=lora_rank))
         self.senders: dict = {}
+
+    def pushed(self):
+        """What one push sends: everything, or a LoRA model's adapted layers merged."""
+        return merged_tensors(self.model, only_adapted=has_lora(self.model))
+
+    def sizes(self) -> list[int]:
+        return [t.numel() * t.element_size() for _, t in self.pushed()]
 
     def connect(self, transport: str, engines: list, urls: list[str]) -> None:
         if transport in ("shared_memory", "ray_store"):
@@ -77,13 +92,14 @@ class Trainer:
     def push(self, transport: str, bucket_bytes: int, version: int) -> dict[str, float]:
         sender = self.senders[transport]
         sender.bucket_bytes = bucket_bytes
-        return sender.send(merged_tensors(self.model), version)
+        return sender.send(self.pushed(), version)
 
     def perturb(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+                if p.requires_grad:  # a LoRA model's adapters; a full one's every weight
+                    p.add_(torch.randn(p.shape, generator=g) * 1e-3)
 
     def digest(self) -> list[str]:
         return digest(t for _, t in merged_tensors(self.model))
@@ -146,13 +162,12 @@ def breakdown(stats: list[dict[str, float]]) -> str:
 
 
 def bench_model(name: str, shape: dict, transports: list[str], buckets_mb: list[int], repeats: int, threads: int,
-                tmp: Path) -> list[tuple]:
+                tmp: Path, lora_rank: int = 0) -> list[tuple]:
     model_dir = build_tiny_model(tmp / name, build_char_tokenizer(), max_positions=256, **shape)
     engine = ray.remote(BenchEngine).options(num_cpus=1).remote(str(model_dir), threads=threads)
-    trainer = ray.remote(Trainer).options(num_cpus=1).remote(str(model_dir), threads)
+    trainer = ray.remote(Trainer).options(num_cpus=1).remote(str(model_dir), threads, lora_rank)
     url = ray.get(engine.url.remote(), timeout=TIMEOUT_S)
-    sizes = [t.numel() * t.element_size()
-             for t in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().values()]
+    sizes = ray.get(trainer.sizes.remote(), timeout=TIMEOUT_S)
     num_bytes = sum(sizes)
     floor = memcpy_seconds(num_bytes)
     gloo = gloo_seconds(sizes, threads)
@@ -182,7 +197,8 @@ def bench_model(name: str, shape: dict, transports: list[str], buckets_mb: list[
         ray.kill(trainer)
     floor = min(floor, memcpy_seconds(num_bytes))  # the machine's copy speed: the better of two measurements
     rows = [(*row[:7], row[4] / floor, row[8]) for row in rows]
-    print(f"{name}: {num_bytes / 4 / 1e6:.0f}M parameters, {num_bytes / 2**20:.0f} MB float32; memcpy "
+    what = f"LoRA rank {lora_rank}, the adapted layers merged" if lora_rank else "parameters"
+    print(f"{name}: {num_bytes / 4 / 1e6:.0f}M {what}, {num_bytes / 2**20:.0f} MB float32; memcpy "
           f"{floor * 1000:.1f} ms ({num_bytes / floor / 1e9:.1f} GB/s); a bare gloo broadcast of its tensors between "
           f"two actors {gloo * 1000:.0f} ms ({num_bytes / gloo / 1e9:.2f} GB/s, {gloo / floor:.1f}x memcpy)", flush=True)
     return rows
@@ -196,6 +212,8 @@ def main() -> None:
                         choices=list(TRANSPORTS.values()))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="push as a LoRA run does: adapters of this rank on every linear layer, their layers merged")
     args = parser.parse_args()
     if args.quick:
         args.models, args.buckets, args.repeats = ["qwen2-20M"], [64], 2
@@ -207,10 +225,12 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.models:
-                rows += bench_model(name, MODELS[name], args.transports, args.buckets, args.repeats, threads, Path(tmp))
+                rows += bench_model(name, MODELS[name], args.transports, args.buckets, args.repeats, threads, Path(tmp),
+                                    args.lora)
     finally:
         ray.shutdown()
-    print(f"\none push of the full weights, trainer actor -> engine actor, median of {args.repeats} after a "
+    pushed = f"the merged weights of LoRA (rank {args.lora}) layers" if args.lora else "the full weights"
+    print(f"\none push of {pushed}, trainer actor -> engine actor, median of {args.repeats} after a "
           f"warm-up, torch threads {threads}\n")
     print("| model | transport | bucket MB | buckets | median s | min s | GB/s | x memcpy | breakdown (median s) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command != "eval":  # eval resolves its --model (or model.path) where it picks the model
             cfg.model.path = _resolved(cfg.model.path, "model.path")
+            for name, served in cfg.served_models.items():
+                if served.path is not None:
+                    served.path = _resolved(served.path, f"served_models.{name}.path")
         check_inputs(cfg, args.command)
         _local_ray_auth(cfg)  # before the checks below import Ray (through the rollout manager)
         if args.command in ("train", "eval", "rollout"):

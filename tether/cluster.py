@@ -17,7 +17,7 @@ import threading
 import re
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
@@ -95,6 +95,8 @@ class Placement:
     train_bundles: list[int]
     engine_bundles: list[int]
     colocate: bool
+    served_bundles: list[int] = field(default_factory=list)
+    """One bundle per engine of the served models (cfg.served_models, in order), never shared."""
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
@@ -103,11 +105,13 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
+def plan_placement(cfg: ClusterConfig, engines: int | None = None, served: int = 0) -> Placement:
     """Reserve bundles for the layout and wait until Ray grants them. ``engines``: how many engines
-    need bundles (default cluster.num_engines; 0 when they run elsewhere, engine.backend: external)."""
+    need bundles (default cluster.num_engines; 0 when they run elsewhere, engine.backend: external);
+    ``served``: engines of served models (frozen: a bundle each, after the others)."""
     n_train, n_engine = cfg.num_train_actors, cfg.num_engines if engines is None else engines
-    n_bundles = max(n_train, n_engine) if cfg.colocate else n_train + n_engine
+    n_policy = max(n_train, n_engine) if cfg.colocate else n_train + n_engine
+    n_bundles = n_policy + served
     bundle: dict[str, float] = {"CPU": cfg.cpus_per_bundle}
     if cfg.gpus_per_bundle:
         bundle["GPU"] = cfg.gpus_per_bundle
@@ -116,13 +120,13 @@ def plan_placement(cfg: ClusterConfig, engines: int | None = None) -> Placement:
     group = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
     wait_placement(group.ready(), [dict(bundle) for _ in range(n_bundles)], cfg.call_timeout_s,
                    f"placement group of {n_bundles} bundles {bundle}")
+    train = list(range(n_train))
     if cfg.colocate:
-        train = list(range(n_train))
-        engine_bundles = [i % n_bundles for i in range(n_engine)]
+        engine_bundles = [i % n_policy for i in range(n_engine)]
     else:
-        train = list(range(n_train))
         engine_bundles = list(range(n_train, n_train + n_engine))
-    return Placement(group=group, train_bundles=train, engine_bundles=engine_bundles, colocate=cfg.colocate)
+    return Placement(group=group, train_bundles=train, engine_bundles=engine_bundles, colocate=cfg.colocate,
+                     served_bundles=list(range(n_policy, n_bundles)))
 
 
 def actor_resources(cfg: ClusterConfig, share: int) -> dict[str, float]:

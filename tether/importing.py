@@ -14,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from tether.served import MODELS as SERVED_MODELS
+
 
 def load_function(spec: str, kind: str, error: type[Exception] = ValueError,
                   args: dict[str, Any] | None = None) -> Callable:
@@ -23,19 +25,21 @@ def load_function(spec: str, kind: str, error: type[Exception] = ValueError,
     the run's ``args:`` section, given to a function that has a parameter named ``args``.
     """
     fn = _load(spec, kind, error)
-    return with_args(fn, args) if args is not None else fn
+    return with_args(fn, args)
 
 
-def with_args(fn: Callable, args: dict[str, Any]) -> Callable:
+def with_args(fn: Callable, args: dict[str, Any] | None) -> Callable:
     """``fn`` with ``args=`` bound when it takes a parameter of that name (a user function's own
-    settings, from the config's ``args:``); else ``fn``."""
+    settings, from the config's ``args:``), and ``models=`` when it takes that one (the run's served
+    models by name, tether/served.py); else ``fn``."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return fn
-    if "args" in params and params["args"].kind is not inspect.Parameter.POSITIONAL_ONLY:
-        return functools.partial(fn, args=args)
-    return fn
+    given = {"models": SERVED_MODELS, **({"args": args} if args is not None else {})}
+    bound = {name: value for name, value in given.items()
+             if name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return functools.partial(fn, **bound) if bound else fn
 
 
 def _load(spec: str, kind: str, error: type[Exception]) -> Callable:

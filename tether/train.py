@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tether.run.checkpoint import Checkpointer, find_latest, read_meta
 from tether.cluster import RemoteTimeout, plan_placement
-from tether.engine.backends import placed_engines
+from tether.engine.backends import placed_engines, served_engines
 from tether.config import TetherConfig, public_dict
 from tether.errors import EngineDiedError, TrainerDiedError
 from tether.loop import LoopPlan, run_loop
@@ -119,7 +119,7 @@ def train(cfg: TetherConfig, overwrite: bool = False, config_path: str | None = 
 def _train_once(cfg: TetherConfig, overwrite: bool, config_path: str | None) -> dict:
     clock = StartupClock()
     load_path, start, meta = resolve_resume(cfg, overwrite, config_path)
-    placement = plan_placement(cfg.cluster, placed_engines(cfg))
+    placement = plan_placement(cfg.cluster, placed_engines(cfg), served_engines(cfg))
     clock.lap("ray")
     # Trainer, engines and rollout manager start together (each imports torch and loads its part).
     trainer = TrainerGroup(cfg, placement)
@@ -180,7 +180,7 @@ def generate_rollouts(cfg: TetherConfig, overwrite: bool = False, config_path: s
     for path in claim(cfg.output_dir, cfg.checkpoint_dir, overwrite=overwrite, command="rollout",
                       config_path=config_path):
         print(f"[tether] deleted {path} of the earlier run", file=sys.stderr)
-    placement = plan_placement(cfg.cluster, placed_engines(cfg))
+    placement = plan_placement(cfg.cluster, placed_engines(cfg), served_engines(cfg))
     engines = create_engines(cfg, placement)
     rollout = RolloutHandle(cfg, engines, placement)  # a replaced engine loads model.path, as the others did
     try:

@@ -303,3 +303,38 @@ def test_a_pushed_tied_embedding_reaches_the_output_layer(http, backend, vllm_mo
         assert max(abs(a - b) for a, b in zip(expected, stale)) > 0.1  # the check can tell the two apart
     finally:
         push(http, {emb: original[emb]}, version + 2)
+
+
+def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir, request):
+    """What a LoRA run pushes (tether/models/lora.py), adapters on q_proj and v_proj (which vLLM keeps
+    fused with k_proj in one qkv_proj): to a backend that takes partial updates, the adapted layers'
+    merged weights alone; to vLLM, whose in-place reload completes whole layers only, the whole merged
+    model. The engine's log-probs are then an HF forward of the merged model, not of the base."""
+    from tether.engine.backends import BACKENDS
+    from tether.models.hf import load_model
+    from tether.models.lora import apply_lora, lora_layers, merged_tensors
+    from tether.models.lora_config import LoRAConfig
+
+    original = {k: v.clone() for k, v in backend[1]().items()}
+    torch.manual_seed(0)
+    model = load_model(str(vllm_model_dir), "float32")
+    apply_lora(model, LoRAConfig(rank=2, alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(0, 1.0)
+    partial = BACKENDS[request.node.callspec.params["backend"]].partial_updates
+    pushed = {k: v for k, v in merged_tensors(model, only_adapted=partial) if k != "lm_head.weight"}
+    adapted = [f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "v_proj")]
+    assert sorted(pushed) == adapted if partial else set(adapted) < set(pushed)
+    version = http.get("/get_model_info").json()["weight_version"]
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5}]
+    try:
+        push(http, pushed, version + 1)
+        out = generate(http, [[5, 6, 7]], params)[0]
+        engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        expected = hf_logprobs(vllm_model_dir, {**original, **pushed}, [5, 6, 7], out["output_ids"])
+        base = hf_logprobs(vllm_model_dir, original, [5, 6, 7], out["output_ids"])
+        assert max(abs(a - b) for a, b in zip(engine, expected)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(expected, base)) > 0.05  # the check can tell the two apart
+    finally:
+        push(http, {name: original[name] for name in pushed}, version + 2)

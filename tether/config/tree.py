@@ -20,7 +20,8 @@ from tether.algorithms.names import POLICY_LOSS_NAMES, TOKEN_LEVEL
 from tether.config.base import Section
 from tether.config.raw import apply_overrides, resolve_function_specs
 from tether.models.lora_config import LoRAConfig
-from tether.engine.config import EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServerConfig
+from tether.engine.config import (EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServedModelConfig,
+                                  ServerConfig)
 from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
 from tether.rollout.config import RolloutConfig
 from tether.errors import ConfigError
@@ -415,6 +416,10 @@ class TetherConfig(Section):
     (tether/engine/base.py); each backend's actor and placement facts are in tether/engine/backends.py."""
     server: ServerConfig = ServerConfig()
     """Limits of tether's HTTP servers (engines, the vLLM adapter, chat sessions)."""
+    served_models: dict[str, ServedModelConfig] = {}
+    """Models served beside the policy that never take weight pushes (a judge, a reward model), by name:
+    reward functions take them as a parameter named ``models``, generate functions as ``ctx.models``
+    (docs/served-models.md)."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning data (`tether sft`)."""
     debug: DebugConfig = DebugConfig()
@@ -468,6 +473,9 @@ class TetherConfig(Section):
                              "so engines need their own bundles: set cluster.colocate=false")
         self._check_async()
         self._check_engines()
+        bad = [name for name in self.served_models if not name.replace("-", "_").isidentifier()]
+        if bad:
+            raise ValueError(f"served_models: names are written as ctx.models[name]: letters, digits, _ and -, got {bad}")
         if mode != "sync" and self.debug.load_rollouts is not None:
             raise ValueError(f"rollout.schedule.mode: {mode} overlaps generation with training; debug.load_rollouts "
                              "replays saved rollouts without engines: use one or the other")

@@ -32,6 +32,10 @@ class Backend:
     """The backend's own start-up limit (a server's first start may compile kernels)."""
     ranks: Callable[[Any], int] = lambda engine: 1
     """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
+    partial_updates: bool = True
+    """Whether a push may carry some of the weights only (a LoRA run's adapted layers): vLLM's in-place
+    reload finishes a layer only when every tensor of it arrived (q, k and v of a fused qkv_proj, and
+    their biases), so it gets whole pushes; servers tether did not start are not assumed to take them."""
 
 
 def server_limits(cfg: TetherConfig) -> ServerLimits:
@@ -64,10 +68,11 @@ def _server_process(cfg: TetherConfig, device: str, threads: int) -> dict[str, A
 BACKENDS: dict[str, Backend] = {
     "embedded": Backend(EmbeddedEngineConfig, "tether.engine.actor:EngineActor", _embedded),
     "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _server_process,
-                    startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tensor_parallel_size),
+                    startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tensor_parallel_size,
+                    partial_updates=False),
     "sglang": Backend(SglangConfig, "tether.engine.sglang:SglangEngineActor", _server_process,
                       startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tp_size),
-    "external": Backend(ExternalEnginesConfig, None),
+    "external": Backend(ExternalEnginesConfig, None, partial_updates=False),
 }
 
 
@@ -82,6 +87,20 @@ def engine_spec(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:
         raise ValueError(f"engine.backend: {cfg.engine.backend} starts no engines")
     module, name = b.actor.split(":")
     return getattr(importlib.import_module(module), name), b.arguments(cfg, device, threads)
+
+
+def served_engines(cfg: TetherConfig) -> int:
+    """Engines of served models that tether starts (each needs a bundle)."""
+    return sum(m.placed for m in cfg.served_models.values())
+
+
+def served_config(cfg: TetherConfig, name: str) -> TetherConfig:
+    """The run's config as an engine of served model ``name`` sees it: that model's path and dtype, no
+    adapters, and the run's engine backend (the embedded engine when the policy's engines are external)."""
+    served = cfg.served_models[name]
+    engine = cfg.engine if backend(cfg).actor is not None else EmbeddedEngineConfig()
+    model = cfg.model.model_copy(update={"path": served.path, "dtype": served.dtype, "lora": None})
+    return cfg.model_copy(update={"model": model, "engine": engine})
 
 
 def startup_timeout_s(cfg: TetherConfig) -> float:

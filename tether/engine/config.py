@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import Section
 
@@ -108,6 +108,43 @@ class ExternalEnginesConfig(Section):
 
 EngineConfig = Annotated[Union[EmbeddedEngineConfig, VllmConfig, SglangConfig, ExternalEnginesConfig],
                          Field(discriminator="backend")]
+
+
+class ServedModelConfig(Section):
+    """A model served beside the policy that never takes a weight push: an LLM judge, a generative reward
+    model, a distillation teacher. Its engines are placed, health-checked and replaced like the policy's;
+    reward and generate functions reach it by name (tether/rollout/served.py)."""
+
+    path: str | None = None
+    """An HF model folder (or Hub id): tether starts num_engines engines of engine.backend for it (the
+    embedded engine when engine.backend is external), each on a placement-group bundle of its own."""
+    urls: list[str] = []
+    """Or servers already running that speak the engine contract (`tether serve`, an SGLang server):
+    tether starts nothing for them. Give path or urls."""
+    num_engines: int = Field(1, ge=1)
+    """Engines tether starts for path."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Its parameters' dtype."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"must be http(s) URLs, got {bad}")
+        return urls
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ServedModelConfig":
+        if (self.path is None) == (not self.urls):
+            raise ValueError("give path (tether starts its engines) or urls (servers already running), not "
+                             + ("both" if self.path else "neither"))
+        return self
+
+    @property
+    def placed(self) -> int:
+        """Engines that need bundles."""
+        return self.num_engines if self.path is not None else 0
 
 
 class ServerConfig(Section):

@@ -24,8 +24,10 @@ from tether.rollout.router import Router
 
 
 class EngineWatch:
-    def __init__(self, router: Router, interval_s: float, timeout_s: float):
+    def __init__(self, router: Router, interval_s: float, timeout_s: float, others: list[Router] | None = None):
+        """``others``: more routers whose engines are watched alike (the served models')."""
         self.router, self.interval_s, self.timeout_s = router, interval_s, timeout_s
+        self.routers = [router, *(others or [])]
         self._active = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,14 +57,14 @@ class EngineWatch:
     def check_once(self) -> dict[str, str | None]:
         """One heartbeat of every serving engine, concurrently: url -> None (answered) or why not. An
         engine that fails it is marked lost."""
-        workers = self.router.serving
-        futures = {w.url: self._pool.submit(self._probe, w.url) for w in workers}
+        owners = {w.url: router for router in self.routers for w in router.serving}
+        futures = {url: self._pool.submit(self._probe, url) for url in owners}
         wait(futures.values())
         found = {url: future.result() for url, future in futures.items()}
         for url, problem in found.items():
             # Paused meanwhile (the rollout ended while the probe waited): an engine between rollouts
             # may not generate, and its silence then says nothing.
-            if problem is not None and self._active > 0 and self.router.mark_lost(url, problem):
+            if problem is not None and self._active > 0 and owners[url].mark_lost(url, problem):
                 print(f"[tether] engine {url} lost: {problem}; its requests go to another engine (or wait for "
                       "its replacement)", file=sys.stderr, flush=True)
         return found

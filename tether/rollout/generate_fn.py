@@ -17,7 +17,8 @@ spends it across turns). ``ctx`` carries:
 
 - ``url``: the engine serving this group (every turn of a group goes to it, so a later turn finds the
   earlier ones in its prefix cache), ``client`` (an ``httpx.AsyncClient``) for your own requests;
-- ``tokenizer``, ``cfg`` (the resolved TetherConfig), ``rollout_id``, ``evaluation``;
+- ``tokenizer``, ``cfg`` (the resolved TetherConfig), ``rollout_id``, ``evaluation``, ``args`` (the
+  config's ``args:``), ``models`` (served models by name: a judge, a teacher; tether/rollout/served.py);
 - ``generate(input_ids, sampling_params)``: one /generate call, returning a ``Generation`` (ids,
   log-probs, text, finish reason, weight version); ``generate_into(sample, sampling_params)``: the next
   turn of ``sample``'s response, appended; ``insert(sample, text | ids)``: inserted tokens.
@@ -51,6 +52,7 @@ from tether.rollout.fleet import sampling_payload
 from tether.progress import report_progress
 from tether.run.faults import CURRENT_SAMPLE, SampleCall
 from tether.sample import STATUS_OF_FINISH, Sample, SampleError
+from tether.served import MODELS as SERVED_MODELS
 
 FIELD = "rollout.custom_generate_fn"
 ROW_KEY = "generate_fn"
@@ -98,6 +100,8 @@ class GenerateContext:
         self.calls = 0
         self.args: dict = dict(cfg.args) if cfg is not None else {}
         """The config's ``args:``: this function's own settings."""
+        self.models = SERVED_MODELS
+        """The run's served models by name (``served_models:``; tether/rollout/served.py)."""
 
     async def generate(self, input_ids: list[int], sampling_params: dict) -> Generation:
         """One /generate call on this group's engine, with log-probs."""

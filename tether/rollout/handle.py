@@ -19,7 +19,7 @@ import ray
 
 from tether.cluster import Placement, actor_resources, dead_actors, key_env, log_tail, torch_threads, wait
 from tether.config import TetherConfig
-from tether.engine.backends import engine_spec, placed_engines, startup_timeout_s
+from tether.engine.backends import engine_spec, placed_engines, served_config, served_engines, startup_timeout_s
 from tether.errors import EngineDiedError, RemoteTimeout
 from tether.run.faults import ENGINE_FAULT, ENGINE_UPDATE_FAULT, INJECT_FAULTS, crash_point
 from tether.scheduling import wait_started
@@ -45,11 +45,38 @@ def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
     """Engine ``index``'s actor on its bundle (at the start, or replacing a lost one)."""
     c = cfg.cluster
     share = 2 if placement.colocate else 1
-    busy = c.num_engines if placement.colocate else c.num_train_actors + c.num_engines
+    busy = (c.num_engines if placement.colocate else c.num_train_actors + c.num_engines) + served_engines(cfg)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
     return ray.remote(cls).options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
                                    **actor_resources(c, share), **actor_env(c)).remote(**kwargs)
+
+
+@dataclass
+class ServedEngine:
+    """One engine of a served model: which model, its bundle, its actor, and once up its URL and pid."""
+
+    name: str
+    bundle: int
+    actor: Any
+    url: str = ""
+    pid: int = 0
+
+
+def create_served(cfg: TetherConfig, placement: Placement) -> list[ServedEngine]:
+    """The served models' engine actors (cfg.served_models with a path), one bundle each, not waited for."""
+    bundles = iter(placement.served_bundles)
+    return [ServedEngine(name, bundle, create_served_engine(cfg, placement, name, bundle))
+            for name, m in cfg.served_models.items() for bundle in [next(bundles) for _ in range(m.placed)]]
+
+
+def create_served_engine(cfg: TetherConfig, placement: Placement, name: str, bundle: int) -> Any:
+    c = cfg.cluster
+    busy = (c.num_engines if placement.colocate else c.num_train_actors + c.num_engines) + served_engines(cfg)
+    device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
+    cls, kwargs = engine_spec(served_config(cfg, name), device, torch_threads(c, busy))
+    return ray.remote(cls).options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, 1),
+                                   **actor_env(c)).remote(**kwargs)
 
 
 def actor_env(c, faults: tuple[str, ...] = (ENGINE_FAULT, ENGINE_UPDATE_FAULT)) -> dict:
@@ -73,6 +100,8 @@ class RolloutHandle:
         self.engines = engines
         self.restarts = 0
         self.load_weights: WeightLoader | None = None  # set once a trainer holds the weights
+        # Served models load beside the policy's engines and the manager (their bundles come last).
+        self.served = create_served(cfg, placement) if placement is not None else []
         # concurrency_groups is an actor option Ray's typed overloads of ray.remote leave out.
         manager = ray.remote(concurrency_groups={FAULTS: 1})(RolloutManager)  # type: ignore[call-overload]
         self.actor = manager.options(num_cpus=MANAGER_CPUS, **actor_env(cfg.cluster, (INJECT_FAULTS,))).remote(
@@ -90,8 +119,25 @@ class RolloutHandle:
         self.engine_pids = [h["pid"] for h in health]
         self.urls = [h["url"] for h in health]
         self.replaces = placement is not None and cfg.cluster.max_engine_restarts > 0
-        self._get(self.actor.connect_engines.remote(self.urls + cfg.external_engines, self.replaces),
-                  "connect_engines")
+        self._start_served()
+        self._get(self.actor.connect_engines.remote(self.urls + cfg.external_engines, self.replaces,
+                                                    self.served_urls()), "connect_engines")
+
+    def _start_served(self) -> None:
+        if not self.served:
+            return
+        start = time.perf_counter()
+        names = sorted({e.name for e in self.served})
+        health = wait([e.actor.health.remote() for e in self.served], startup_timeout_s(self.cfg),
+                      f"{len(self.served)} engine(s) of the served model(s) {', '.join(names)} to load")
+        for engine, h in zip(self.served, health):
+            engine.url, engine.pid = h["url"], h["pid"]
+        self.ready_s["served models"] = self.ready_s["engines"] + time.perf_counter() - start
+
+    def served_urls(self) -> dict[str, list[str]]:
+        """Each served model's engines: the ones started here, then its urls: (servers already running)."""
+        return {name: [e.url for e in self.served if e.name == name] + list(m.urls)
+                for name, m in self.cfg.served_models.items()}
 
     def _get(self, ref: Any, what: str, extra_s: float = 0.0) -> Any:
         return wait(ref, self.timeout_s + extra_s, f"rollout.{what}")
@@ -111,7 +157,9 @@ class RolloutHandle:
                 self.replace_lost()
             return ray.get(ref)
         except Exception as err:
-            dead = dead_actors({f"engine {i}": (e, pid) for i, (e, pid) in enumerate(zip(self.engines, self.engine_pids))})
+            engines = {f"engine {i}": (e, pid) for i, (e, pid) in enumerate(zip(self.engines, self.engine_pids))}
+            engines.update({f"engine of served model {e.name!r} ({e.url})": (e.actor, e.pid) for e in self.served})
+            dead = dead_actors(engines)
             if dead:
                 raise EngineDiedError(f"rollout.{what} failed because an engine process died:\n" + "\n".join(dead)
                                       + f"\n(the error it caused: {str(err).strip().splitlines()[-1]})") from err
@@ -121,10 +169,38 @@ class RolloutHandle:
         """Replace every engine the manager reports lost; returns the seconds it took."""
         start = time.monotonic()
         lost = wait(self.actor.lost_engines.remote(), 30, "rollout.lost_engines")
+        served = {e.url: e for e in self.served}
         for url, reason in lost.items():
             if url in self.urls:  # an external engine is not ours to restart: it stays out
                 self._replace(self.urls.index(url), reason)
+            elif url in served:
+                self._replace_served(served[url], reason)
         return time.monotonic() - start
+
+    def _count_restart(self, name: str, reason: str, pid: int) -> None:
+        c = self.cfg.cluster
+        if self.restarts >= c.max_engine_restarts:
+            raise EngineDiedError(f"{name} was lost ({reason}), and the run already replaced "
+                                  f"cluster.max_engine_restarts={c.max_engine_restarts} engine(s)\n" + log_tail(pid))
+        self.restarts += 1
+        print(f"[tether] {name} lost: {reason}; starting a replacement on its bundle "
+              f"(engine restart {self.restarts}/{c.max_engine_restarts})", file=sys.stderr, flush=True)
+
+    def _replace_served(self, engine: ServedEngine, reason: str) -> None:
+        """A served model's engine is replaced by a new one loading the same model (no weights to push)."""
+        name = f"engine of served model {engine.name!r} ({engine.url}, pid {engine.pid})"
+        self._count_restart(name, reason, engine.pid)
+        start = time.perf_counter()
+        ray.kill(engine.actor, no_restart=True)
+        assert self.placement is not None  # served engines exist only with a placement
+        engine.actor = create_served_engine(self.cfg, self.placement, engine.name, engine.bundle)
+        health = wait(engine.actor.health.remote(), startup_timeout_s(self.cfg),
+                      f"replacement engine of served model {engine.name} to load "
+                      f"{self.cfg.served_models[engine.name].path}")
+        self._get(self.actor.replace_engine.remote(engine.url, health["url"]), "replace_engine")
+        engine.url, engine.pid = health["url"], health["pid"]
+        print(f"[tether] {name} replaced by {engine.url} (pid {engine.pid}) in {time.perf_counter() - start:.1f}s",
+              file=sys.stderr, flush=True)
 
     def replace_engines(self, indices: list[int], reason: str) -> float:
         """Replace engines lost outside a rollout (during a weight push); returns the seconds it took."""
@@ -134,14 +210,8 @@ class RolloutHandle:
         return time.monotonic() - start
 
     def _replace(self, index: int, reason: str) -> None:
-        c, name = self.cfg.cluster, f"engine {index} ({self.urls[index]}, pid {self.engine_pids[index]})"
-        if self.restarts >= c.max_engine_restarts:
-            raise EngineDiedError(f"{name} was lost ({reason}), and the run already replaced "
-                                  f"cluster.max_engine_restarts={c.max_engine_restarts} engine(s)\n"
-                                  + log_tail(self.engine_pids[index]))
-        self.restarts += 1
-        print(f"[tether] {name} lost: {reason}; starting a replacement on its bundle "
-              f"(engine restart {self.restarts}/{c.max_engine_restarts})", file=sys.stderr, flush=True)
+        name = f"engine {index} ({self.urls[index]}, pid {self.engine_pids[index]})"
+        self._count_restart(name, reason, self.engine_pids[index])
         start = time.perf_counter()
         ray.kill(self.engines[index], no_restart=True)  # a frozen process too: Ray kills it
         assert self.placement is not None  # engines are replaced only with a placement (self.replaces)
@@ -216,10 +286,11 @@ class RolloutHandle:
         ray.kill(self.actor)
         # Engines stop their servers first (a vLLM or SGLang server and the processes it started), then go.
         try:
-            wait([e.shutdown.remote() for e in self.engines], 60, "engines stopping their servers")
+            wait([e.shutdown.remote() for e in self.engines + [s.actor for s in self.served]], 60,
+                 "engines stopping their servers")
         except Exception as err:  # a dead or stuck engine: killing its actor below is all that is left
             print(f"[tether] engine shutdown: {str(err).splitlines()[0]}", file=sys.stderr)
-        for engine in self.engines:
+        for engine in self.engines + [e.actor for e in self.served]:
             ray.kill(engine)
 
 

@@ -28,6 +28,7 @@ from tether.rollout.data_source import DataSource
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.dumps import Dumps
 from tether.rollout.engine_watch import EngineWatch
+from tether.rollout import served
 from tether.rollout.eval_set import EvalSet
 from tether.rollout.failures import FailurePolicy, check_trained
 from tether.rollout.filters import load_filter
@@ -106,14 +107,18 @@ class RolloutManager:
         if engine_urls is not None:
             self.connect_engines(engine_urls)
 
-    def connect_engines(self, urls: list[str], reissue: bool = False) -> None:
+    def connect_engines(self, urls: list[str], reissue: bool = False,
+                        served_urls: dict[str, list[str]] | None = None) -> None:
         """``reissue``: the driver replaces lost engines, so a lost engine's requests go to the others
-        (or wait for its replacement) instead of failing the rollout."""
+        (or wait for its replacement) instead of failing the rollout. ``served_urls``: the served models'
+        engine URLs by name (what reward and generate functions reach as ``models``)."""
         c = self.cfg.cluster
+        served.connect(served_urls or {}, c.call_timeout_s)
         log_dir = Path(self.cfg.output_dir) / "engine_logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue)
-        self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s)
+        self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s,
+                                 others=served.routers())
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom, self.policy)
         self.mode.connect(fleet=self.fleet, data=self.data, params=self.params, keep=self.keep, custom=self.custom,
                           score=partial(score_shaped, self.scorer, self.cfg))
@@ -379,9 +384,18 @@ class RolloutManager:
     # ------------------------------------------------------------ lost engines (while a rollout runs)
     @ray.method(concurrency_group=FAULTS)
     def lost_engines(self) -> dict[str, str]:
-        """URL -> why, of the engines lost and not yet replaced."""
-        return self.fleet.router.lost() if self.fleet is not None else {}
+        """URL -> why, of the engines lost and not yet replaced (the served models' too)."""
+        lost = self.fleet.router.lost() if self.fleet is not None else {}
+        for router in served.routers():
+            lost.update(router.lost())
+        return lost
 
     @ray.method(concurrency_group=FAULTS)
     def replace_engine(self, lost_url: str, new_url: str) -> None:
-        self._require_fleet().replace(lost_url, new_url)
+        name = served.find(lost_url)
+        if name is None:
+            self._require_fleet().replace(lost_url, new_url)
+            return
+        router = served.MODELS[name].router
+        router.remove_worker(lost_url)
+        router.add_worker(new_url)

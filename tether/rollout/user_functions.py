@@ -15,6 +15,7 @@ from tether.rollout.data_source import DatasetError, read_rows
 from tether.rollout.filters import FilterError, load_filter
 from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
 from tether.rollout.rollout_fn import RolloutFnLoadError, load_rollout_fn
+from tether.rollout.served import unserved_names
 from tether.sample import Sample, counted
 
 
@@ -79,6 +80,13 @@ def check_user_functions(cfg: TetherConfig) -> None:
             get_policy_loss(cfg.algorithm.policy_loss)
         except ValueError as err:
             problems.append(f"  algorithm.policy_loss: {err}")
+    r = cfg.rollout
+    specs = {"rollout.reward": r.reward, "rollout.group_reward": r.group_reward,
+             "rollout.reward_post_process": r.reward_post_process, "rollout.dynamic_filter": r.dynamic_filter,
+             "rollout.custom_generate_fn": r.custom_generate_fn, "rollout.custom_rollout_fn": r.custom_rollout_fn,
+             **{f"eval.datasets[{i}].reward": e.reward for i, e in enumerate(cfg.eval.datasets)}}
+    problems += [f"  {p}" for p in unserved_names({k: v for k, v in specs.items() if isinstance(v, str) and ":" in v},
+                                                  list(cfg.served_models))]
     if problems:
         raise ConfigError("cannot load a function the config names:\n" + "\n".join(problems))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tether.run.checkpoint import META, find_latest
 from tether.cluster import plan_placement
-from tether.engine.backends import placed_engines
+from tether.engine.backends import placed_engines, served_engines
 from tether.config import ConfigError, TetherConfig, config_from_dict
 
 
@@ -76,7 +76,7 @@ def run_evals(cfg: TetherConfig, model_path: str, out: Path, step: int = 0) -> d
     raw["model"]["path"] = model_path
     raw["output_dir"] = str(out)
     cfg = config_from_dict(raw, "eval")
-    placement = plan_placement(cfg.cluster, placed_engines(cfg))
+    placement = plan_placement(cfg.cluster, placed_engines(cfg), served_engines(cfg))
     engines = create_engines(cfg, placement)
     rollout = None
     try:

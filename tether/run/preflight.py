@@ -33,6 +33,7 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     if command == "eval":
         needed.pop("model.path")  # --model may name another; checked where it is resolved
     needed.update({f"eval.datasets[{i}].path": d.path for i, d in enumerate(cfg.eval.datasets)})
+    needed.update({f"served_models.{name}.path": m.path for name, m in cfg.served_models.items() if m.path is not None})
     problems = []
     for field, value in needed.items():
         if value is None:

@@ -33,7 +33,7 @@ from tether.trainer.model import prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
-from tether.engine.backends import engine_ranks
+from tether.engine.backends import backend, engine_ranks
 from tether.errors import EnginesLostInPush
 from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
@@ -242,9 +242,11 @@ class TrainActor:
 
         With LoRA only the adapted layers' merged weights change, and only they travel: every engine
         loaded the same base from model.path, and no step touches the rest. Everything travels to an
-        engine that starts from nothing: one replaced, or one whose weights were released (offload).
+        engine that starts from nothing (one replaced, or one whose weights were released: offload),
+        and to a backend that loads whole layers only (vLLM).
         """
-        only_adapted = not everything and not self.cfg.cluster.offload and has_lora(self.model)
+        only_adapted = (not everything and not self.cfg.cluster.offload and has_lora(self.model)
+                        and backend(self.cfg).partial_updates)
         return ((name, t.to(device)) for name, t in merged_tensors(self.model, only_adapted))
 
     def replace_engine(self, index: int, engine: Any, url: str) -> dict[str, float]:
