@@ -78,6 +78,8 @@ class Sample:
     remove: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     failure: dict | None = None
+    teacher_logprobs: list[float] | None = None
+    """A distillation teacher's log-probs of the response tokens (teacher:), one per token."""
 
     def fail(self, kind: str, error: str, attempts: int = 1) -> None:
         """Mark the sample failed (kind: one of tether/rollout/failures.py's kinds): removed from training, its
@@ -213,6 +215,7 @@ class Sample:
             "remove": bool(self.remove),
             "metrics": {k: _json_float(v) for k, v in self.metrics.items()},
             "failure": copy.deepcopy(self.failure),
+            "teacher_logprobs": None if self.teacher_logprobs is None else [_json_float(x) for x in self.teacher_logprobs],
         }
 
 

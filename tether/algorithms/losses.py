@@ -70,6 +70,8 @@ class LossInputs:
             GSPO, the sequence mask); None: one sequence per row.
         rollout_logprobs: the engine's log-probs of the tokens, for the
             rollout correction (rollout_correction.py).
+        teacher_logprobs: a distillation teacher's log-probs of the tokens,
+            for the teacher KL term (docs/distillation.md).
     """
 
     logprobs: Tensor
@@ -82,6 +84,7 @@ class LossInputs:
     loss_weights: Optional[Tensor] = None
     seq_index: Optional[Tensor] = None
     rollout_logprobs: Optional[Tensor] = None
+    teacher_logprobs: Optional[Tensor] = None
 
     def weights(self) -> Tensor:
         if self.loss_weights is not None:
@@ -109,6 +112,9 @@ class LossParams:
     """none | token_clip | sequence_mask (rollout_correction.py)."""
     rollout_is_low: float = 0.0
     rollout_is_high: float = 2.0
+    teacher_kl_coef: float = 0.0
+    """Weight of KL(policy || teacher) in the loss (on-policy distillation as a loss); 0: off."""
+    teacher_kl_type: str = "k3"
 
     def __post_init__(self) -> None:
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
@@ -126,6 +132,10 @@ class LossParams:
             raise ValueError(
                 f"unknown kl_loss_type {self.kl_loss_type!r}; known: {sorted(KL_ESTIMATORS)}"
             )
+        if self.teacher_kl_type not in KL_ESTIMATORS:
+            raise ValueError(f"unknown teacher_kl_type {self.teacher_kl_type!r}; known: {sorted(KL_ESTIMATORS)}")
+        if not self.teacher_kl_coef >= 0.0:
+            raise ValueError(f"teacher_kl_coef must be >= 0, got {self.teacher_kl_coef!r}")
 
 
 PolicyLossFn = Callable[[LossInputs, LossParams], tuple[Tensor, dict[str, float]]]
@@ -338,6 +348,12 @@ def policy_objective(
         metrics["kl"] = _token_sum(kl_tok.detach(), inp, n).item()
         if use_kl:
             loss = loss + params.kl_loss_coef * _aggregate(kl_tok, inp)
+
+    if inp.teacher_logprobs is not None and params.teacher_kl_coef > 0:
+        teacher_kl = kl_estimate(_masked(inp.logprobs, inp, "logprobs"),
+                                 _masked(inp.teacher_logprobs.detach(), inp, "teacher_logprobs"), params.teacher_kl_type)
+        metrics["teacher_kl_loss"] = _token_sum(teacher_kl.detach(), inp, n).item()
+        loss = loss + params.teacher_kl_coef * _aggregate(teacher_kl, inp)
 
     if inp.entropy is not None:
         use_ent = params.entropy_coef != 0

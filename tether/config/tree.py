@@ -215,6 +215,23 @@ class AlgorithmConfig(Section):
         return value
 
 
+class TeacherConfig(Section):
+    """On-policy distillation: a served model (served_models:) scores every token the policy sampled, on
+    the same prompt and response tokens, and the policy learns from the reverse KL to it, beside the
+    task reward (docs/distillation.md). The teacher must share the policy's tokenizer."""
+
+    model: str
+    """The served model that teaches (a name in served_models)."""
+    coef: float = Field(1.0, gt=0)
+    """Weight of the reverse-KL term."""
+    mode: Literal["advantage", "loss"] = "advantage"
+    """advantage: coef * (teacher log-prob - policy log-prob) is added to each token's advantage (the
+    per-token reward of on-policy distillation); loss: coef * KL(policy || teacher), estimated by
+    kl_type on the sampled tokens, is added to the loss."""
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """The KL estimator of mode: loss."""
+
+
 class CriticConfig(Section):
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate of the critic's own AdamW (warm-up and schedule follow train.*)."""
@@ -416,6 +433,8 @@ class TetherConfig(Section):
     (tether/engine/base.py); each backend's actor and placement facts are in tether/engine/backends.py."""
     server: ServerConfig = ServerConfig()
     """Limits of tether's HTTP servers (engines, the vLLM adapter, chat sessions)."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation from a served model (docs/distillation.md); None: off."""
     served_models: dict[str, ServedModelConfig] = {}
     """Models served beside the policy that never take weight pushes (a judge, a reward model), by name:
     reward functions take them as a parameter named ``models``, generate functions as ``ctx.models``
@@ -476,6 +495,9 @@ class TetherConfig(Section):
         bad = [name for name in self.served_models if not name.replace("-", "_").isidentifier()]
         if bad:
             raise ValueError(f"served_models: names are written as ctx.models[name]: letters, digits, _ and -, got {bad}")
+        if self.teacher is not None and self.teacher.model not in self.served_models:
+            raise ValueError(f"teacher.model {self.teacher.model!r} is not a served model (served_models: "
+                             f"{', '.join(sorted(self.served_models)) or 'none'})")
         if mode != "sync" and self.debug.load_rollouts is not None:
             raise ValueError(f"rollout.schedule.mode: {mode} overlaps generation with training; debug.load_rollouts "
                              "replays saved rollouts without engines: use one or the other")

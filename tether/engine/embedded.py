@@ -90,6 +90,23 @@ class EmbeddedEngine(Engine):
         self.weight_version = version
         return version
 
+    @torch.no_grad()
+    def prompt_logprobs(self, prompts: list[list[int]], temperatures: list[float]) -> list[list[float | None]]:
+        """Each prompt token's log-prob after the tokens before it (None for the first): what a teacher
+        or a reward model scores. One forward per prompt; at temperature t > 0 the logits are divided by
+        it first, as when sampling (0 means 1: greedy has no distribution of its own)."""
+        if self.released:
+            raise EngineError(f"cannot score prompts while {sorted(self.released)} are released")
+        out: list[list[float | None]] = []
+        for ids, temperature in zip(prompts, temperatures):
+            x = torch.tensor([ids], device=self.device)
+            logits = self.model(input_ids=x).logits[0, :-1].float()
+            if temperature > 0:
+                logits = logits / temperature
+            chosen = logits.gather(-1, x[0, 1:, None])[:, 0] - torch.logsumexp(logits, -1)
+            out.append([None, *chosen.tolist()])
+        return out
+
     # ------------------------------------------------------------ memory
     def release_memory(self, tags: list[str]) -> None:
         self.weights_changed += 1

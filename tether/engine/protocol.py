@@ -20,7 +20,8 @@ class Strict(BaseModel):
 
 
 class SamplingParamsIn(Strict):
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=0)
+    """0 only with logprob_start_len: score the prompt, generate nothing."""
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
@@ -45,6 +46,10 @@ class GenerateIn(Strict):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] = SamplingParamsIn()
     return_logprob: bool = False
+    logprob_start_len: int | list[int] = -1
+    """SGLang's: from which prompt position to return input_token_logprobs (the log-prob of each prompt
+    token after the tokens before it; None for position 0). This engine computes them for scoring
+    requests (max_new_tokens 0 with return_logprob: a distillation teacher's, a reward model's); -1: none."""
     rid: str | list[str] | None = None
     stream: bool = False
     # Fields SGLang's clients and sglang-router send with their defaults; accepted so that they can
@@ -66,7 +71,28 @@ class GenerateIn(Strict):
                                          "background") if getattr(self, name)]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}=true is not supported by this engine")
+        params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
+        zero = [p.max_new_tokens == 0 for p in params]
+        if self.scoring:
+            if not self.return_logprob or not all(zero):
+                raise ValueError("logprob_start_len asks for the prompt's log-probs, which this engine computes for "
+                                 "scoring requests: return_logprob: true with max_new_tokens: 0 in every sampling_params")
+        elif any(zero):
+            raise ValueError("max_new_tokens: 0 generates nothing: give logprob_start_len (and return_logprob) to "
+                             "score the prompt")
         return self
+
+    @property
+    def scoring(self) -> bool:
+        """A request for the prompt's log-probs only (no generation)."""
+        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len]
+        return any(start >= 0 for start in starts)
+
+    def logprob_starts(self, n: int) -> list[int]:
+        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len] * n
+        if len(starts) != n:
+            raise ValueError(f"{n} prompts but {len(starts)} logprob_start_len values")
+        return [max(0, start) for start in starts]
 
     @property
     def is_batch(self) -> bool:
@@ -107,6 +133,14 @@ def response(out: GenerateOutput, rid: str, prompt_len: int, text: str, return_l
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.output_logprobs, out.output_ids)]
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+def scored(ids: list[int], logprobs: list[float | None], start: int, rid: str | None, version: int) -> dict:
+    """A scoring request's reply, SGLang's shape: input_token_logprobs from position ``start``."""
+    meta = {"id": rid or "", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+            "completion_tokens": 0, "weight_version": version, "output_token_logprobs": [],
+            "input_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs[start:], ids[start:])]}
+    return {"text": "", "output_ids": [], "meta_info": meta}
 
 
 def openai_usage(prompt_tokens: int, completion_tokens: int) -> dict:

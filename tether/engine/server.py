@@ -25,7 +25,7 @@ from tether.engine.embedded import EngineError
 from tether.engine.streaming import openai_events, sglang_events, sse, token_steps
 from tether.engine.protocol import (
     ChatIn, CompletionIn, GenerateIn, InitGroupIn, SamplingParamsIn, UpdateDistributedIn, include_usage, openai_usage,
-    response,
+    response, scored,
 )
 from tether.engine.routes import mount_contract
 from tether.run.faults import engine_update_fault
@@ -89,10 +89,27 @@ class EmbeddedHandler:
             params, rids = body.per_prompt(len(prompts))
         except ValueError as err:
             raise _bad_request(err) from None
+        if body.scoring:
+            return self._score(body, prompts, params, rids)
         results = self.run(prompts, params, rids)
         version = self.core.engine.weight_version
         out = [response(o, req.rid, len(req.input_ids), _text(o, self.decode, sp), body.return_logprob, version)
                for (req, o), sp in zip(results, params)]
+        return out if body.is_batch else out[0]
+
+    def _score(self, body: GenerateIn, prompts: list[list[int]], params: list[SamplingParamsIn],
+               rids: list[str | None]) -> Any:
+        """The prompts' own log-probs (a teacher's or a reward model's scores), one forward each, between
+        the core's decode steps; temperature divides the logits as it would when sampling."""
+        try:
+            starts = body.logprob_starts(len(prompts))
+        except ValueError as err:
+            raise _bad_request(err) from None
+        engine = self.core.engine
+        temperatures = [p.temperature for p in params]
+        values = self.core.exclusive(lambda: engine.prompt_logprobs(prompts, temperatures))
+        version = engine.weight_version
+        out = [scored(ids, lps, start, rid, version) for ids, lps, start, rid in zip(prompts, values, starts, rids)]
         return out if body.is_batch else out[0]
 
     async def submit_stream(self, prompt: list[int], sp: SamplingParamsIn, rid: str | None):
@@ -104,8 +121,9 @@ class EmbeddedHandler:
     async def generate(self, body: GenerateIn) -> Any:
         if not body.stream:  # the engine core's future is waited on in a thread, as for sync routes
             return await anyio.to_thread.run_sync(self._generate_all, body)
-        if body.is_batch:
-            raise _bad_request(ValueError("stream: true takes one prompt, not a batch"))
+        if body.is_batch or body.scoring:
+            raise _bad_request(ValueError("stream: true takes one prompt to generate from, not a batch or a "
+                                          "scoring request"))
         (params,), (rid,) = body.per_prompt(1)
         req, steps = await self.submit_stream(body.prompts(self.tokenizer)[0], params, rid)
         decode = self.decode

@@ -120,6 +120,10 @@ class VllmHandler:
         if body.stream:
             raise HTTPException(status_code=400, detail="stream: true is not supported by the vLLM backend's "
                                                         "/generate (vLLM's own /v1 routes stream)")
+        if body.scoring:
+            raise HTTPException(status_code=400, detail="logprob_start_len (scoring a prompt) is not supported by the "
+                                                        "vLLM backend's /generate; serve a teacher or reward model with "
+                                                        "the embedded engine or SGLang")
         prompts = body.prompts(self.tokenizer)
         try:
             params, rids = body.per_prompt(len(prompts))

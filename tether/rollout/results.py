@@ -57,6 +57,9 @@ def to_train_batch(samples: list[Sample], group_size: int, temperature: float,
         if any(s.loss_mask is not None or s.remove for s in samples) else None,
         excluded=[s.remove for s in samples] if any(s.remove for s in samples) else None,
         trajectories=trajectories,
+        # A failed sample's place holder is never read (it is excluded).
+        teacher_logprobs=[s.teacher_logprobs if s.teacher_logprobs is not None else [0.0] * s.response_length
+                          for s in samples] if any(s.teacher_logprobs is not None for s in samples) else None,
     )
 
 

@@ -17,6 +17,7 @@ fills the mapping (tether.served.MODELS) when it connects its engines (``connect
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib.util
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,14 +37,18 @@ class ServedModel:
         self.router = Router(urls, timeout_s=timeout_s)
         self._sync = sync_client(timeout_s, headers=engine_headers())
         self._async: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def urls(self) -> list[str]:
         return [w.url for w in self.router.workers]
 
     def _client(self) -> httpx.AsyncClient:
-        if self._async is None:  # made in the rollout's event loop, on first use
-            self._async = httpx.AsyncClient(timeout=self.timeout_s, headers=engine_headers())
+        """An async client of the running event loop: the rollout manager runs each rollout in a loop of
+        its own, and a client's connections belong to the loop that opened them."""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._loop is not loop:
+            self._async, self._loop = httpx.AsyncClient(timeout=self.timeout_s, headers=engine_headers()), loop
         return self._async
 
     # ------------------------------------------------------------ SGLang's /generate
@@ -68,6 +73,28 @@ class ServedModel:
             return self.router.generate(self._payload(prompt, sampling_params, return_logprob))  # type: ignore[return-value]
         except httpx.HTTPStatusError as err:
             raise self._refused("/generate", err) from None
+
+    async def score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """Each sequence's token log-probs from position ``starts[i]`` on (each token after the ones
+        before it, the logits divided by ``temperature``): SGLang's /generate with max_new_tokens 0 and
+        logprob_start_len. Position 0 has no log-prob: a start of at least 1."""
+        if any(start < 1 for start in starts):
+            raise ValueError("score: every start must be >= 1 (the first token has no log-prob)")
+        payload = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True,
+                   "sampling_params": [{"max_new_tokens": 0, "temperature": temperature}] * len(sequences),
+                   "logprob_start_len": list(starts)}
+        try:
+            replies = await self.router.generate_async(self._client(), payload)
+        except httpx.HTTPStatusError as err:
+            raise self._refused("/generate (scoring)", err) from None
+        out = []
+        for seq, start, reply in zip(sequences, starts, replies):
+            entries = reply["meta_info"]["input_token_logprobs"]
+            if [int(e[1]) for e in entries] != list(seq[start:]):
+                raise ServedModelError(f"served model {self.name!r}: its scores are of other tokens than the ones "
+                                       f"sent (from position {start})")
+            out.append([float(e[0]) for e in entries])
+        return out
 
     # ------------------------------------------------------------ OpenAI's chat completions
     @staticmethod

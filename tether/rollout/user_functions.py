@@ -12,6 +12,7 @@ from tether.rewards.loader import RewardLoadError, set_reward
 from tether.rewards.scorer import Scorer
 from tether.rewards.shaping import apply_overlong_penalty
 from tether.rollout.data_source import DatasetError, read_rows
+from tether.rollout.distill import teacher_scores
 from tether.rollout.filters import FilterError, load_filter
 from tether.rollout.generate_fn import CustomGenerate, GenerateLoadError, row_spec
 from tether.rollout.rollout_fn import RolloutFnLoadError, load_rollout_fn
@@ -37,6 +38,7 @@ async def score_shaped(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -
     await score_unscored(scorer, cfg, group)
     if r.overlong_buffer_len is not None:
         apply_overlong_penalty(counted(group), r.max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor)
+    await teacher_scores(cfg, group)
 
 
 async def score_unscored(scorer: Scorer, cfg: TetherConfig, group: list[Sample]) -> None:

@@ -52,6 +52,8 @@ def check_inputs(cfg: TetherConfig, command: str) -> None:
     problems += missing_packages(cfg)
     if cfg.model.lora is not None and command in ("train", "sft") and not problems:
         problems += lora_targets(cfg)
+    if cfg.teacher is not None and command == "train" and not problems:
+        problems += teacher_tokenizer(cfg)
     if problems:
         raise ConfigError(f"invalid config for `tether {command}`:\n" + "\n".join(problems))
 
@@ -74,6 +76,23 @@ def lora_targets(cfg: TetherConfig) -> list[str]:
     except ValueError as err:
         return [f"  {err}"]
     return []
+
+
+def teacher_tokenizer(cfg: TetherConfig) -> list[str]:
+    """The teacher scores the policy's token ids: its tokenizer must give every id the same token."""
+    assert cfg.teacher is not None
+    served = cfg.served_models[cfg.teacher.model]
+    if served.path is None or not (Path(served.path) / "config.json").is_file():
+        return []  # servers already running: their tokenizer is theirs to match
+    from transformers import AutoTokenizer
+
+    mine, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (cfg.model.path, served.path))
+    if mine == theirs:
+        return []
+    differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+    return [f"  teacher.model {cfg.teacher.model!r} ({served.path}) has another tokenizer than model.path "
+            f"({cfg.model.path}): {len(theirs)} tokens against {len(mine)}, e.g. {differ}; a teacher scores the "
+            "policy's token ids, so both must share one vocabulary"]
 
 
 def _resolved_against(value: str) -> str:

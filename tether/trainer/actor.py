@@ -127,7 +127,7 @@ class TrainActor:
                          self.critic)
 
     def step_settings(self, policy_loss: str | None, global_batch_size: int) -> StepSettings:
-        a = self.cfg.algorithm
+        a, t = self.cfg.algorithm, self.cfg.teacher
         return StepSettings(
             micro_batch_size=self.cfg.train.micro_batch_size or DEFAULT_MICRO_BATCH,
             global_batch_size=global_batch_size,
@@ -137,7 +137,9 @@ class TrainActor:
             loss_params=LossParams(eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
                                    kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                                    dual_clip_c=a.dual_clip_c, rollout_correction=a.rollout_correction,
-                                   rollout_is_low=a.rollout_is_low, rollout_is_high=a.rollout_is_high),
+                                   rollout_is_low=a.rollout_is_low, rollout_is_high=a.rollout_is_high,
+                                   teacher_kl_coef=t.coef if t is not None and t.mode == "loss" else 0.0,
+                                   teacher_kl_type=t.kl_type if t is not None else "k3"),
             advantage_estimator=a.advantage_estimator,
             advantage_params=AdvantageParams(gamma=a.gamma, lam=a.lam, kl_coef=a.kl_in_reward_coef),
             kl_in_reward_type=a.kl_in_reward_type,
@@ -145,6 +147,7 @@ class TrainActor:
             max_response_len=self.cfg.rollout.max_response_len,
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
             logits_chunk_mb=self.cfg.train.logits_chunk_mb,
+            teacher_advantage_coef=t.coef if t is not None and t.mode == "advantage" else 0.0,
         )
 
     def state(self) -> TrainState:

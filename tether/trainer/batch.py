@@ -42,6 +42,9 @@ class TrainBatch:
     group statistics count trajectories (group_size of them per group), a trajectory's advantage is
     each of its segments', and an optimizer step takes whole trajectories. None: a sample is a trajectory."""
 
+    teacher_logprobs: list[list[float]] | None = None
+    """A distillation teacher's log-probs of each response token (teacher:); None: no teacher."""
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -69,12 +72,13 @@ class TrainBatch:
             loss_masks=pick(self.loss_masks),
             excluded=pick(self.excluded),
             trajectories=pick(self.trajectories),
+            teacher_logprobs=pick(self.teacher_logprobs),
         )
 
     def validate(self) -> None:
         n = len(self.tokens)
         for name in ("prompt_lengths", "response_lengths", "rewards", "rollout_logprobs", "sample_ids", "loss_masks",
-                     "excluded", "trajectories"):
+                     "excluded", "trajectories", "teacher_logprobs"):
             values = getattr(self, name)
             if values is None or (name == "sample_ids" and not values):
                 continue  # optional fields
@@ -89,6 +93,8 @@ class TrainBatch:
                 raise ValueError(f"TrainBatch sample {i}: prompt {p} + response {r} != {len(toks)} tokens")
             if self.rollout_logprobs is not None and len(self.rollout_logprobs[i]) != r:
                 raise ValueError(f"TrainBatch sample {i}: {len(self.rollout_logprobs[i])} log-probs for {r} tokens")
+            if self.teacher_logprobs is not None and len(self.teacher_logprobs[i]) != r:
+                raise ValueError(f"TrainBatch sample {i}: {len(self.teacher_logprobs[i])} teacher log-probs for {r} tokens")
             if self.loss_masks is not None and (len(self.loss_masks[i]) != r or set(self.loss_masks[i]) - {0, 1}):
                 raise ValueError(f"TrainBatch sample {i}: its loss mask must be {r} values of 0 or 1, got "
                                  f"{self.loss_masks[i]!r}")

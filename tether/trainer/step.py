@@ -25,6 +25,7 @@ from torch import nn
 
 from tether.algorithms.advantages import AdvantageInputs, AdvantageParams, get_advantage_estimator
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
+from tether.algorithms.distill import as_tensors, distill_advantages
 from tether.algorithms.kl import kl_estimate
 from tether.algorithms.names import TOKEN_LEVEL
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
@@ -59,6 +60,8 @@ class StepSettings:
     logits_chunk_mb: float = 256.0
     """Log-probs from the LM head in chunks of about this many MB of float32 logits, at response positions
     only (trainer/head.py); 0: the model's whole logits at once."""
+    teacher_advantage_coef: float = 0.0
+    """teacher.mode advantage: the weight of (teacher - rollout log-prob) in each token's advantage."""
 
 
 def assign_ranks(batch: TrainBatch, global_idx: list[int], s: StepSettings, rank: int, world: int) -> list[int]:
@@ -240,7 +243,8 @@ def accumulate(metrics: dict[str, float], new: dict[str, float]) -> None:
 def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCounts, s: StepSettings,
                     advantages: dict[int, torch.Tensor] | None, old: dict[int, torch.Tensor] | None,
                     ref: dict[int, torch.Tensor] | None, world: int,
-                    seen: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
+                    seen: dict[int, torch.Tensor] | None = None,
+                    teacher: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches of one global batch (no optimizer step).
 
     ``old`` None: the old log-probs are this forward's, detached (the policy has not moved yet), and
@@ -265,6 +269,7 @@ def run_global_step(model, batch: TrainBatch, mine: list[int], counts: GlobalCou
             loss_weights=aggregation_weights(s.loss_agg_mode, mb.response_mask, mb.seq_index, counts),
             seq_index=mb.seq_index,
             rollout_logprobs=mb.rollout_logprobs if batch.rollout_logprobs is not None else None,
+            teacher_logprobs=place(mb, batch, teacher) if teacher is not None else None,
         )
         loss, parts = policy_objective(inputs, s.loss_params, s.policy_loss)
         (loss * world).backward()
@@ -344,6 +349,8 @@ class RLInputs:
     values: dict[int, torch.Tensor] | None = None
     seen: dict[int, torch.Tensor] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    teacher: dict[int, torch.Tensor] | None = None
+    """A distillation teacher's log-probs, when the batch has them (the loss's teacher term)."""
 
 
 def prepare_rl_inputs(state: TrainState, batch: TrainBatch, s: StepSettings, assigned: list[list[int]],
@@ -369,7 +376,17 @@ def prepare_rl_inputs(state: TrainState, batch: TrainBatch, s: StepSettings, ass
         advantages, returns, adv_metrics = compute_advantages(batch, s, old, ref, values)
     metrics = {f"train/adv_{k.removeprefix('adv_')}": v for k, v in adv_metrics.items()}
     metrics["train/separate_old_logprob_pass"] = float(separate_old)
-    return RLInputs(advantages, returns, old, ref, values, None if separate_old else {}, metrics)
+    teacher = None
+    if batch.teacher_logprobs is not None:
+        teacher = as_tensors(batch.teacher_logprobs)
+        # The student's side is the rollout's log-probs: the policy that sampled the tokens.
+        student = as_tensors(batch.rollout_logprobs or [[0.0] * n for n in batch.response_lengths])
+        masks = {i: torch.tensor(batch.loss_mask(i), dtype=torch.float32) for i in range(len(batch))}
+        distilled, distill_metrics = distill_advantages(advantages, student, teacher, masks, s.teacher_advantage_coef)
+        if s.teacher_advantage_coef > 0:
+            advantages = distilled
+        metrics.update({f"train/{k}": v for k, v in distill_metrics.items()})
+    return RLInputs(advantages, returns, old, ref, values, None if separate_old else {}, metrics, teacher)
 
 
 def optimizer_steps(batch: TrainBatch, global_batch_size: int) -> list[list[int]]:
@@ -407,7 +424,8 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
                               max_response_len=max(1, s.max_response_len))
         with timed(phases, "forward_backward"):
             parts = run_global_step(state.model, batch, mine, counts, s, rl.advantages if rl else None,
-                                    rl.old if rl else None, rl.ref if rl else None, world, rl.seen if rl else None)
+                                    rl.old if rl else None, rl.ref if rl else None, world, rl.seen if rl else None,
+                                    rl.teacher if rl else None)
         if rl is not None and k == 0:  # the trainer's log-probs before any update, against the engine's
             # Without a separate old pass, step 0's forward has just filled ``seen`` (prepare_rl_inputs).
             old = rl.old if rl.old is not None else rl.seen
