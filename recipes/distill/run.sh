@@ -18,5 +18,5 @@ tether sft --config recipes/arithmetic/sft.yaml --overwrite model.path=runs/dist
   output_dir=runs/distill/sft
 tether train --config recipes/distill/grpo.yaml --overwrite "$@"
 tether train --config recipes/distill/grpo.yaml --overwrite output_dir=runs/distill/distilled \
-  served_models.teacher.path=runs/arithmetic/grpo/hf teacher.model=teacher teacher.coef=1.0 "$@"
+  served_models.teacher.path=runs/arithmetic/grpo/hf teacher.model=teacher teacher.coef=0.1 "$@"
 python recipes/distill/summary.py runs/distill/rl_only runs/distill/distilled

@@ -91,21 +91,42 @@ class EmbeddedEngine(Engine):
         return version
 
     @torch.no_grad()
-    def prompt_logprobs(self, prompts: list[list[int]], temperatures: list[float]) -> list[list[float | None]]:
+    def prompt_logprobs(self, prompts: list[list[int]], temperatures: list[float],
+                        max_logits: int = 1 << 27) -> list[list[float | None]]:
         """Each prompt token's log-prob after the tokens before it (None for the first): what a teacher
-        or a reward model scores. One forward per prompt; at temperature t > 0 the logits are divided by
-        it first, as when sampling (0 means 1: greedy has no distribution of its own)."""
+        or a reward model scores. Prompts go through the model in right-padded batches whose logits stay
+        under ``max_logits`` values (512 MB of float32); at temperature t > 0 the logits are divided by it
+        first, as when sampling (0 means 1: greedy has no distribution of its own)."""
         if self.released:
             raise EngineError(f"cannot score prompts while {sorted(self.released)} are released")
-        out: list[list[float | None]] = []
-        for ids, temperature in zip(prompts, temperatures):
-            x = torch.tensor([ids], device=self.device)
-            logits = self.model(input_ids=x).logits[0, :-1].float()
-            if temperature > 0:
-                logits = logits / temperature
-            chosen = logits.gather(-1, x[0, 1:, None])[:, 0] - torch.logsumexp(logits, -1)
-            out.append([None, *chosen.tolist()])
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+        out: list[list[float | None]] = [[] for _ in prompts]
+        start = 0
+        while start < len(order):
+            longest = len(prompts[order[start]])
+            end = start + 1
+            while end < len(order) and (end - start + 1) * max(longest, len(prompts[order[end]])) * vocab <= max_logits:
+                longest = max(longest, len(prompts[order[end]]))
+                end += 1
+            for i, values in zip(order[start:end], self._score_batch([prompts[i] for i in order[start:end]],
+                                                                     [temperatures[i] for i in order[start:end]])):
+                out[i] = values
+            start = end
         return out
+
+    def _score_batch(self, prompts: list[list[int]], temperatures: list[float]) -> list[list[float | None]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.tensor(p, device=self.device)
+            mask[row, : len(p)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=self.device)[:, None, None]
+        logits = logits / scale
+        chosen = logits.gather(-1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
+        return [[None, *chosen[row, : len(p) - 1].tolist()] for row, p in enumerate(prompts)]
 
     # ------------------------------------------------------------ memory
     def release_memory(self, tags: list[str]) -> None:
