@@ -100,7 +100,9 @@ def test_too_many_failures_stop_the_rollout_naming_them(engine, tokenizer):
     # Stopped once over budget (16 * 0.1 = 1): after the second group judged, or a later one judged with it.
     assert re.search(r"test rollout: ([234]) samples failed \(generate \1\)", text), text
     assert "max_failed_frac=0.1 allows 1 of the 16 samples" in text
-    assert "rollout 3, prompt_index=0, sample_index=1: generate after 1 attempt(s)" in text
+    # Groups run concurrently: which failed first depends on which finished first (on a busy machine
+    # not group 0), so the failure named is any group's sample 1.
+    assert re.search(r"rollout 3, prompt_index=[0-3], sample_index=1: generate after 1 attempt\(s\)", text), text
 
 
 def test_reward_failures_are_retried_then_masked_and_none_is_unscored(engine, tokenizer):
