@@ -12,6 +12,14 @@ from pydantic import Field, field_validator, model_validator
 from tether.config.base import Section
 
 
+def http_urls(urls: list[str]) -> list[str]:
+    """Servers' base URLs: http:// or https:// each."""
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"must be http(s) URLs, got {bad}")
+    return urls
+
+
 class PlacedEngine(Section):
     """What every engine tether starts has: where its HTTP server listens."""
 
@@ -100,10 +108,7 @@ class ExternalEnginesConfig(Section):
     @field_validator("urls")
     @classmethod
     def _http(cls, urls: list[str]) -> list[str]:
-        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"must be http(s) URLs, got {bad}")
-        return urls
+        return http_urls(urls)
 
 
 EngineConfig = Annotated[Union[EmbeddedEngineConfig, VllmConfig, SglangConfig, ExternalEnginesConfig],
@@ -129,10 +134,7 @@ class ServedModelConfig(Section):
     @field_validator("urls")
     @classmethod
     def _http(cls, urls: list[str]) -> list[str]:
-        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"must be http(s) URLs, got {bad}")
-        return urls
+        return http_urls(urls)
 
     @model_validator(mode="after")
     def _one_source(self) -> "ServedModelConfig":
