@@ -105,3 +105,22 @@ def test_target_modules_matching_nothing_stop_the_run_before_it_starts(tiny_mode
     assert proc.returncode != 0
     assert "model.lora.target_modules ['qkv'] matches no linear layer" in proc.stderr, proc.stderr[-2000:]
     assert "'q_proj'" in proc.stderr and not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_sft_with_lora_trains_the_adapters_and_exports_the_merged_model(tiny_model_dir, tmp_path):
+    from tests.integration.test_sft_resume import _config, _sft
+
+    config = _config(tmp_path, tiny_model_dir, "sft")
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["o_proj", "up_proj"]}
+    raw["train"]["lr"] = 1e-2
+    config.write_text(yaml.safe_dump(raw))
+    out = _sft(config)
+    assert "LoRA: 1,280 of" in out  # 2 layers x (o_proj 4 x (32 + 32) + up_proj 4 x (32 + 64))
+    base = load_model(str(tiny_model_dir), "float32").state_dict()
+    final = load_file(str(tmp_path / "sft" / "hf" / "model.safetensors"))
+    moved = sorted({".".join(k.split(".")[3:5]) for k in final if not torch.equal(final[k], base[k])})
+    assert moved == ["mlp.up_proj", "self_attn.o_proj"]
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses[-1] < losses[0]
