@@ -43,13 +43,18 @@ def create_engines(cfg: TetherConfig, placement: Placement) -> list[Any]:
 
 def create_engine(cfg: TetherConfig, placement: Placement, index: int) -> Any:
     """Engine ``index``'s actor on its bundle (at the start, or replacing a lost one)."""
+    return _engine_actor(cfg, placement, placement.engine_bundles[index], share=2 if placement.colocate else 1)
+
+
+def _engine_actor(cfg: TetherConfig, placement: Placement, bundle: int, share: int) -> Any:
+    """An engine actor of ``cfg``'s model and backend on ``bundle``, which it shares with ``share`` actors;
+    its torch threads are the cores over every engine and trainer that computes at once."""
     c = cfg.cluster
-    share = 2 if placement.colocate else 1
     busy = (c.num_engines if placement.colocate else c.num_train_actors + c.num_engines) + served_engines(cfg)
     device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
     cls, kwargs = engine_spec(cfg, device, torch_threads(c, busy))
-    return ray.remote(cls).options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
-                                   **actor_resources(c, share), **actor_env(c)).remote(**kwargs)
+    return ray.remote(cls).options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, share),
+                                   **actor_env(c)).remote(**kwargs)
 
 
 @dataclass
@@ -71,12 +76,8 @@ def create_served(cfg: TetherConfig, placement: Placement) -> list[ServedEngine]
 
 
 def create_served_engine(cfg: TetherConfig, placement: Placement, name: str, bundle: int) -> Any:
-    c = cfg.cluster
-    busy = (c.num_engines if placement.colocate else c.num_train_actors + c.num_engines) + served_engines(cfg)
-    device = "cuda" if c.gpus_per_bundle > 0 else "cpu"
-    cls, kwargs = engine_spec(served_config(cfg, name), device, torch_threads(c, busy))
-    return ray.remote(cls).options(scheduling_strategy=placement.strategy(bundle), **actor_resources(c, 1),
-                                   **actor_env(c)).remote(**kwargs)
+    """An engine of served model ``name`` on its own bundle (never shared)."""
+    return _engine_actor(served_config(cfg, name), placement, bundle, share=1)
 
 
 def actor_env(c, faults: tuple[str, ...] = (ENGINE_FAULT, ENGINE_UPDATE_FAULT)) -> dict:

@@ -133,6 +133,16 @@ class Router:
             worker.outstanding_tokens -= tokens
             worker.served += 1
 
+    @contextlib.contextmanager
+    def lease(self, tokens: int):
+        """The least-loaded healthy worker's URL, counted as ``tokens`` of outstanding work while held
+        (for a sync caller: no waiting for a worker, NoHealthyWorker when none is up)."""
+        worker = self._pick(tokens)
+        try:
+            yield worker.url
+        finally:
+            self._done(worker, tokens)
+
     @contextlib.asynccontextmanager
     async def lease_async(self, tokens: int):
         """The least-loaded healthy worker's URL, counted as ``tokens`` of outstanding work while held:

@@ -119,11 +119,8 @@ class ServedModel:
 
     def chat_sync(self, messages: list[dict] | str, **params: Any) -> str:
         """``chat`` for a sync function."""
-        worker = self.router._pick(len(str(messages)) // 4)
-        try:
-            reply = self._sync.post(f"{worker.url}/v1/chat/completions", json=self._chat_body(messages, params))
-        finally:
-            self.router._done(worker, len(str(messages)) // 4)
+        with self.router.lease(len(str(messages)) // 4) as url:
+            reply = self._sync.post(f"{url}/v1/chat/completions", json=self._chat_body(messages, params))
         if reply.status_code != 200:
             raise self._refused("/v1/chat/completions", reply)
         return _text(reply.json())
