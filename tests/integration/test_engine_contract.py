@@ -308,9 +308,10 @@ def test_a_pushed_tied_embedding_reaches_the_output_layer(http, backend, vllm_mo
 def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir, request):
     """What a LoRA run pushes (tether/models/lora.py), adapters on q_proj and v_proj (which vLLM keeps
     fused with k_proj in one qkv_proj): to a backend that takes partial updates, the adapted layers'
-    merged weights alone; to vLLM, whose in-place reload completes whole layers only, the whole merged
-    model. The engine's log-probs are then an HF forward of the merged model, not of the base."""
-    from tether.engine.backends import BACKENDS
+    merged weights alone; to vLLM with engine.lora_updates: merged, whose in-place reload completes whole
+    layers only, the whole merged model (its adapter route: test_vllm_lora.py). The engine's log-probs
+    are then an HF forward of the merged model, not of the base."""
+    from tether.engine.backends import BACKENDS, LAYERS
     from tether.models.hf import load_model
     from tether.models.lora import apply_lora, lora_layers, merged_tensors
     from tether.models.lora_config import LoRAConfig
@@ -322,7 +323,11 @@ def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir, req
     with torch.no_grad():
         for layer in lora_layers(model).values():
             layer.lora_B.normal_(0, 1.0)
-    partial = BACKENDS[request.node.callspec.params["backend"]].partial_updates
+    from tether.engine.config import EmbeddedEngineConfig, VllmConfig
+
+    name = request.node.callspec.params["backend"]
+    engine = VllmConfig(lora_updates="merged") if name == "vllm" else EmbeddedEngineConfig()
+    partial = BACKENDS[name].lora_push(engine) == LAYERS
     pushed = {k: v for k, v in merged_tensors(model, only_adapted=partial) if k != "lm_head.weight"}
     adapted = [f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "v_proj")]
     assert sorted(pushed) == adapted if partial else set(adapted) < set(pushed)

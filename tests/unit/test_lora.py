@@ -8,7 +8,7 @@ import torch
 
 from tether.config import config_from_dict
 from tether.models.hf import load_model
-from tether.models.lora import (adapters_disabled, apply_lora, lora_layers, merged_tensors, save_peft_adapter,
+from tether.models.lora import (adapter_state, adapters_disabled, apply_lora, lora_layers, merged_tensors, save_peft_adapter,
                                 target_names, trainable_count)
 from tether.models.lora_config import LoRAConfig
 from tether.trainer.optim import build_optimizer
@@ -97,6 +97,25 @@ def test_peft_loads_the_adapter_folder_to_the_same_outputs(tiny_model_dir, tmp_p
     loaded = peft.PeftModel.from_pretrained(load_model(str(tiny_model_dir), "float32"), str(out))
     assert loaded.peft_config["default"].r == 4 and loaded.peft_config["default"].lora_alpha == 8
     torch.testing.assert_close(logits(loaded), logits(model), atol=1e-5, rtol=1e-5)
+
+
+def test_the_zero_adapter_has_the_runs_shapes_and_changes_nothing(tiny_model_dir, tmp_path):
+    """What a vLLM engine serves before the first push: shapes from the config alone, all zeros."""
+    import peft
+    from safetensors.torch import load_file
+
+    from tether.models.lora import save_zero_adapter
+
+    model, cfg = adapted(tiny_model_dir, target_modules=["q_proj", "down_proj"])
+    out = save_zero_adapter(str(tiny_model_dir), cfg, torch.bfloat16, tmp_path / "zero")
+    zero = load_file(str(out / "adapter_model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in zero.items()} == {k: tuple(v.shape) for k, v in adapter_state(model).items()}
+    assert all(v.dtype == torch.bfloat16 and not v.any() for v in zero.values())
+    base = load_model(str(tiny_model_dir), "float32")
+    expected = logits(base)
+    loaded = peft.PeftModel.from_pretrained(base, str(out))
+    assert sorted(loaded.peft_config["default"].target_modules) == ["down_proj", "q_proj"]
+    torch.testing.assert_close(logits(loaded), expected)
 
 
 def test_an_fsdp_step_moves_only_the_adapters_and_the_reference_stays_the_base(tiny_model_dir, mesh):

@@ -63,6 +63,41 @@ def test_the_vllm_command_line():
     assert "--max-model-len" not in gpu_args  # the model's own limit
 
 
+def test_a_lora_policy_is_served_as_a_runtime_lora():
+    from tether.engine.vllm import lora_args
+
+    args, env = vllm_command("/m", 1, VllmConfig(), "float32", 0, "cpu", lora_rank=12)
+    assert "--enable-lora" in args and args[args.index("--max-lora-rank") + 1] == "16"  # vLLM's next slot
+    assert args[args.index("--max-loras") + 1] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    plain, plain_env = vllm_command("/m", 1, VllmConfig(), "float32", 0, "cpu")
+    assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_env
+    assert lora_args(1)[2] == "1" and lora_args(512)[2] == "512"
+    with pytest.raises(ValueError, match="up to 512"):
+        lora_args(513)
+
+
+RANK_8 = {"rank": 8}
+
+
+def test_what_a_lora_run_pushes_to_each_backend():
+    from tether.engine.backends import ADAPTER, BACKENDS, LAYERS, WHOLE, engine_spec, lora_push
+
+    def cfg(engine: dict, lora: dict | None = RANK_8):
+        return config_from_dict({"model": {"path": "/m", "lora": lora}, "engine": engine})
+
+    assert lora_push(cfg({"backend": "embedded"})) == LAYERS
+    assert lora_push(cfg({"backend": "vllm"})) == ADAPTER
+    assert lora_push(cfg({"backend": "vllm", "lora_updates": "merged"})) == WHOLE
+    assert BACKENDS["sglang"].lora_push(None) == LAYERS
+    # vLLM's actor learns of the adapters only when it serves them
+    assert engine_spec(cfg({"backend": "vllm"}), "cpu", 1)[1]["lora"]["rank"] == 8
+    assert engine_spec(cfg({"backend": "vllm", "lora_updates": "merged"}), "cpu", 1)[1]["lora"] is None
+    assert engine_spec(cfg({"backend": "vllm"}, None), "cpu", 1)[1]["lora"] is None
+    with pytest.raises(ConfigError, match="model.lora.rank=600: vLLM serves LoRA ranks up to 512"):
+        cfg({"backend": "vllm"}, {"rank": 600})
+    cfg({"backend": "vllm", "lora_updates": "merged"}, {"rank": 600})  # merged pushes take any rank
+
+
 def test_a_server_that_exits_is_reported_with_its_command_and_log(tmp_path):
     proc = ServerProcess("test server", ["-c", "print('loading'); raise SystemExit('bad flag --x')"], None, {},
                          tmp_path / "s.log", "http://127.0.0.1:9/health")

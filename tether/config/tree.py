@@ -21,7 +21,7 @@ from tether.config.base import Section
 from tether.config.raw import apply_overrides, resolve_function_specs
 from tether.models.lora_config import LoRAConfig
 from tether.engine.config import (EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServedModelConfig,
-                                  ServerConfig)
+                                  ServerConfig, VllmConfig)
 from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
 from tether.rollout.config import RolloutConfig
 from tether.errors import ConfigError
@@ -454,6 +454,9 @@ class TetherConfig(Section):
         if e.gpu_only and not c.gpus_per_bundle:
             raise ValueError(f"engine.backend: {e.backend} runs on GPUs only: set cluster.gpus_per_bundle, or use "
                              "engine.backend: embedded or vllm on CPU")
+        if isinstance(e, VllmConfig) and e.lora_updates == "adapter" and self.model.lora and self.model.lora.rank > 512:
+            raise ValueError(f"model.lora.rank={self.model.lora.rank}: vLLM serves LoRA ranks up to 512; set "
+                             "engine.lora_updates: merged to push merged weights instead")
         if not isinstance(e, ExternalEnginesConfig):
             return
         if len(e.urls) != c.num_engines:

@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 
 EngineSpec = tuple[type, dict[str, Any]]  # (actor class, constructor keyword arguments)
 
+# What a LoRA run pushes. Every engine loaded the base from model.path and no step changes it, so:
+LAYERS = "layers"    # the adapted layers' merged weights only (an engine that takes some weights)
+ADAPTER = "adapter"  # the adapters themselves, in PEFT's names (an engine serving them as a LoRA)
+WHOLE = "whole"      # the whole merged model: vLLM's in-place reload completes whole layers only (q, k
+                     # and v of a fused qkv_proj), and servers tether did not start are not assumed to
+                     # take less
+LORA_PUSHES = (LAYERS, ADAPTER, WHOLE)
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -32,10 +40,8 @@ class Backend:
     """The backend's own start-up limit (a server's first start may compile kernels)."""
     ranks: Callable[[Any], int] = lambda engine: 1
     """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
-    partial_updates: bool = True
-    """Whether a push may carry some of the weights only (a LoRA run's adapted layers): vLLM's in-place
-    reload finishes a layer only when every tensor of it arrived (q, k and v of a fused qkv_proj, and
-    their biases), so it gets whole pushes; servers tether did not start are not assumed to take them."""
+    lora_push: Callable[[Any], str] = lambda engine: LAYERS
+    """What a LoRA run's pushes carry (one of LORA_PUSHES), from the engine: section."""
 
 
 def server_limits(cfg: TetherConfig) -> ServerLimits:
@@ -65,19 +71,31 @@ def _server_process(cfg: TetherConfig, device: str, threads: int) -> dict[str, A
                 limits=server_limits(cfg))
 
 
+def _vllm(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
+    """vLLM's actor also learns of the run's adapters: served as a LoRA, they change its launch."""
+    lora = cfg.model.lora
+    served = lora.model_dump(mode="json") if lora is not None and lora_push(cfg) == ADAPTER else None
+    return {**_server_process(cfg, device, threads), "lora": served}
+
+
 BACKENDS: dict[str, Backend] = {
     "embedded": Backend(EmbeddedEngineConfig, "tether.engine.actor:EngineActor", _embedded),
-    "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _server_process,
+    "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _vllm,
                     startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tensor_parallel_size,
-                    partial_updates=False),
+                    lora_push=lambda e: ADAPTER if e.lora_updates == "adapter" else WHOLE),
     "sglang": Backend(SglangConfig, "tether.engine.sglang:SglangEngineActor", _server_process,
                       startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tp_size),
-    "external": Backend(ExternalEnginesConfig, None, partial_updates=False),
+    "external": Backend(ExternalEnginesConfig, None, lora_push=lambda e: WHOLE),
 }
 
 
 def backend(cfg: TetherConfig) -> Backend:
     return BACKENDS[cfg.engine.backend]
+
+
+def lora_push(cfg: TetherConfig) -> str:
+    """What this run's LoRA pushes carry to its engines (LAYERS, ADAPTER or WHOLE)."""
+    return backend(cfg).lora_push(cfg.engine)
 
 
 def engine_spec(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:

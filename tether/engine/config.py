@@ -77,6 +77,11 @@ class VllmConfig(ServerProcessConfig):
     """No CUDA graphs / torch.compile (fast start; the CPU build needs it)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs per engine (each engine's bundle must hold that many)."""
+    lora_updates: Literal["adapter", "merged"] = "adapter"
+    """How a LoRA run's pushes reach vLLM (model.lora set): ``adapter``: the adapters only, loaded with
+    vLLM's runtime LoRA route (--enable-lora, /v1/load_lora_adapter) and named by every request, so a
+    push carries megabytes; ``merged``: the whole merged model through the in-place reload, so vLLM
+    serves with no LoRA kernels in the decode."""
 
 
 class SglangConfig(ServerProcessConfig):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,7 +29,9 @@ from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import VllmConfig
 from tether.engine.server_process import ServerProcess
 from tether.engine.vllm_adapter import build_vllm_adapter
-from tether.models.hf import load_tokenizer
+from tether.models.hf import DTYPES, load_tokenizer
+from tether.models.lora import ADAPTER_CONFIG, save_zero_adapter
+from tether.models.lora_config import LoRAConfig
 from tether.http.client import sync_client
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits
 from tether.http.server import ThreadedServer, free_port
@@ -39,8 +43,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the tether package, for
 WORKER_EXTENSION = "tether.engine.vllm_worker.TetherWorkerExtension"
 
 
-def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: int, device: str) -> tuple[list[str], dict[str, str]]:
-    """(arguments after the Python executable, environment) of the vLLM server."""
+LORA_NAME = "tether-policy"  # the name every request gives the policy's adapters when served as a LoRA
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank takes
+
+
+def lora_args(rank: int) -> list[str]:
+    """vLLM's LoRA serving for one adapter of ``rank`` (its slot sized to the next rank vLLM offers)."""
+    slot = next((r for r in LORA_RANKS if r >= rank), None)
+    if slot is None:
+        raise ValueError(f"model.lora.rank {rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]} "
+                         "(or set engine.lora_updates: merged)")
+    return ["--enable-lora", "--max-lora-rank", str(slot), "--max-loras", "1", "--max-cpu-loras", "1"]
+
+
+def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: int, device: str,
+                 lora_rank: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """(arguments after the Python executable, environment) of the vLLM server; ``lora_rank``: the
+    policy is served as a LoRA of that rank, loaded at run time."""
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--seed", str(seed),
             "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out",
@@ -52,6 +71,9 @@ def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: 
         args.append("--enforce-eager")
     env = {"VLLM_SERVER_DEV_MODE": "1",  # the RL routes: pause/resume, abort, collective_rpc, sleep
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    if lora_rank is not None:
+        args += lora_args(lora_rank)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.kv_cache_gb)))
         threads = torch.get_num_threads()
@@ -68,8 +90,17 @@ def vllm_command(model_path: str, port: int, cfg: VllmConfig, dtype: str, seed: 
 class VllmEngineActor(EngineBackend):
     def __init__(self, model_path: str, cfg: dict, dtype: str = "float32", seed: int = 0,
                  device: str = "cpu", threads: int = 0, host: str = "127.0.0.1", log_dir: str = "outputs/engines",
-                 request_timeout_s: float = 600.0, port: int = 0, limits: ServerLimits = DEFAULT_LIMITS):
+                 request_timeout_s: float = 600.0, port: int = 0, limits: ServerLimits = DEFAULT_LIMITS,
+                 lora: dict | None = None):
+        """``lora``: the run's model.lora when its pushes are the adapters (engine.lora_updates: adapter):
+        vLLM serves the policy as that LoRA of the base, and every request names it."""
         self.cfg = VllmConfig.model_validate(cfg)
+        self.model_path, self.dtype = model_path, dtype
+        self.lora = LoRAConfig.model_validate(lora) if lora is not None else None
+        self.lora_name: str | None = None  # set once vLLM serves the adapters
+        self._adapters = Path(tempfile.mkdtemp(prefix=f"tether-vllm-lora-{os.getpid()}-"))
+        self._adapter_path: Path | None = None
+        self._adapter_pushes = 0
         if threads:
             torch.set_num_threads(threads)
         self.device = device
@@ -87,7 +118,8 @@ class VllmEngineActor(EngineBackend):
         self._url = f"http://{node_address() if host == '0.0.0.0' else host}:{self.adapter.port}"
         vllm_port = free_port()
         self.vllm_url = f"http://127.0.0.1:{vllm_port}"
-        args, env = vllm_command(model_path, vllm_port, self.cfg, dtype, seed, device)
+        args, env = vllm_command(model_path, vllm_port, self.cfg, dtype, seed, device,
+                                 self.lora.rank if self.lora is not None else None)
         log = Path(log_dir).resolve() / f"vllm_{os.getpid()}.log"
         self.server = ServerProcess("vLLM server", args, self.cfg.python, env, log, f"{self.vllm_url}/health")
 
@@ -99,6 +131,8 @@ class VllmEngineActor(EngineBackend):
         if not self._ready:
             startup_s = self.server.wait_healthy(self.cfg.startup_timeout_s)
             self._post("/update_weight_version", json={"new_version": str(self.weight_version)})
+            if self.lora is not None:  # adapters that change nothing until the first push
+                self._load_adapter(save_zero_adapter(self.model_path, self.lora, DTYPES[self.dtype], self._adapters / "push0"))
             self._ready, self.startup_s = True, startup_s
         if not self.server.alive():
             raise RuntimeError(f"the vLLM server exited; its log ends with:\n{self.server.log_tail()}")
@@ -111,6 +145,7 @@ class VllmEngineActor(EngineBackend):
         self.server.stop()
         if self._segment is not None:
             self._segment.close()
+        shutil.rmtree(self._adapters, ignore_errors=True)
 
     # ------------------------------------------------------------ memory
     def release_memory(self, tags: list[str]) -> None:
@@ -118,7 +153,9 @@ class VllmEngineActor(EngineBackend):
         with the next push, as the contract says). On CPU vLLM has no sleep mode: nothing is freed."""
         tags = check_tags(tags)
         if self.device != "cpu":
-            self._post("/sleep", params={"level": 2 if WEIGHTS in tags else 1})
+            # Serving adapters, the base never comes back with a push: level 1 keeps it.
+            drop = WEIGHTS in tags and self.lora is None
+            self._post("/sleep", params={"level": 2 if drop else 1})
         self.released |= set(tags)
 
     def resume_memory(self, tags: list[str]) -> None:
@@ -132,7 +169,12 @@ class VllmEngineActor(EngineBackend):
         reply = self._rpc_client.post(f"{self.vllm_url}{path}", **kwargs)
         if reply.status_code != 200:
             raise RuntimeError(f"vLLM {path} answered {reply.status_code}: {reply.text[:2000]}")
-        return reply.json() if reply.content else {}
+        if not reply.content:
+            return {}
+        try:
+            return reply.json()
+        except ValueError:  # some routes answer in plain text (/v1/load_lora_adapter)
+            return {"text": reply.text}
 
     def _rpc(self, method: str, *args: str) -> list:
         return self._post("/collective_rpc", json={"method": method, "args": list(args)}).get("results", [])
@@ -159,10 +201,32 @@ class VllmEngineActor(EngineBackend):
                 return self._load_shared(bucket)
         return self.load_tensors(unpack_bucket(bucket))
 
+    def _load_adapter(self, folder: Path) -> None:
+        """vLLM serves the adapters in ``folder`` as LORA_NAME from its next step on: a new folder per
+        push (vLLM warns that a reload from the same path may reuse cached blocks), the last one removed."""
+        body = {"lora_name": LORA_NAME, "lora_path": str(folder), "load_inplace": self.lora_name is not None}
+        self._post("/v1/load_lora_adapter", json=body)
+        if self._adapter_path is not None and self._adapter_path != folder:
+            shutil.rmtree(self._adapter_path, ignore_errors=True)
+        self._adapter_path, self.lora_name = folder, LORA_NAME
+
+    def _commit_adapter(self, version: int) -> int:
+        """The adapters a push delivered (held by the workers), saved as a PEFT folder and loaded."""
+        if self.lora is None or self._adapter_path is None:
+            return 0
+        self._adapter_pushes += 1
+        folder = self._adapters / f"push{self._adapter_pushes}"  # a version may be pushed again (at start)
+        count = int(self._rpc("tether_save_adapter", str(folder))[0])
+        if count:
+            shutil.copy(self._adapter_path / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
+            self._load_adapter(folder)
+        return count
+
     def commit_weights(self, version: int) -> int:
         with self._lock:
             start = time.perf_counter()
-            self.last_commit_tensors = int(self._rpc("tether_commit")[0])
+            adapters = self._commit_adapter(version)
+            self.last_commit_tensors = adapters + int(self._rpc("tether_commit")[0])
             self._post("/reset_prefix_cache")
             self._post("/update_weight_version", json={"new_version": str(version)})
             self.weight_version = version

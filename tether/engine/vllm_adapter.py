@@ -111,6 +111,8 @@ class VllmHandler:
         version = self.backend.weight_version
         body = {"request_id": rid, "token_ids": prompt, "sampling_params": vllm_sampling(sp, logprob),
                 "output_mode": "text" if sp.stop else "tokens"}
+        if self.backend.lora_name is not None:  # the policy is served as a LoRA of the base
+            body["model"] = self.backend.lora_name
         reply = await self.forward("POST", "/inference/v1/generate", json=body)
         choice = reply.json()["choices"][0]
         text = self.tokenizer.decode(choice.get("token_ids") or [], skip_special_tokens=sp.skip_special_tokens)

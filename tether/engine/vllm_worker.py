@@ -26,6 +26,10 @@ import torch
 
 from tether.weight_sync.group import DTYPES, join_group, leave_group
 
+# A LoRA run's pushes to an engine serving the policy as a LoRA are the adapters, under PEFT's names
+# (tether/models/lora.py, which this process does not import): kept aside, saved as an adapter folder.
+ADAPTER_PREFIX = "base_model.model."
+
 
 def _attach(name: str) -> shared_memory.SharedMemory:
     try:
@@ -55,12 +59,14 @@ class TetherWorkerExtension:
         once every engine has mapped it, and writes the next push into the same memory."""
         spec = json.loads(spec_json)
         pending = self.__dict__.setdefault("_tether_pending", {})
+        adapter = self.__dict__.setdefault("_tether_adapter", {})
         memory = self._tether_segment(spec["segment"])
         for name, dtype, shape, offset in spec["entries"]:
             dt = DTYPES[dtype]
             size = torch.Size(shape).numel() * dt.itemsize
-            pending[name] = memory[offset:offset + size].view(dt).reshape(shape).clone()
-        return len(pending)
+            held = adapter if name.startswith(ADAPTER_PREFIX) else pending
+            held[name] = memory[offset:offset + size].view(dt).reshape(shape).clone()
+        return len(pending) + len(adapter)
 
     def _tether_segment(self, name: str) -> torch.Tensor:
         mapped = self.__dict__.get("_tether_mapped")
@@ -93,19 +99,37 @@ class TetherWorkerExtension:
         if group is None:
             raise RuntimeError("no weight-update group: /init_weights_update_group first")
         model = self.model_runner.get_model()
-        if "_tether_streamed" not in self.__dict__:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(model)
-            self.__dict__["_tether_streamed"] = 0
+        adapter = self.__dict__.setdefault("_tether_adapter", {})
         device = getattr(self, "device", None) or torch.device("cpu")
         for name, dtype, shape in zip(spec["names"], spec["dtypes"], spec["shapes"]):
             # A tensor of its own each: the reload keeps a layer's tensors until the layer is complete.
             tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
             group.broadcast(tensor, 0).wait()
+            if name.startswith(ADAPTER_PREFIX):
+                adapter[name] = tensor.cpu()
+                continue
+            if "_tether_streamed" not in self.__dict__:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(model)
+                self.__dict__["_tether_streamed"] = 0
             model.load_weights([(name, tensor)])
             self.__dict__["_tether_streamed"] += 1
-        return self.__dict__["_tether_streamed"]
+        return self.__dict__.get("_tether_streamed", 0) + len(adapter)
+
+    def tether_save_adapter(self, folder: str) -> int:
+        """Write the adapters this push delivered as ``folder``/adapter_model.safetensors (the first
+        worker writes; every worker received them); returns how many tensors there were."""
+        adapter = self.__dict__.pop("_tether_adapter", {})
+        if adapter and self.rank == 0:
+            from pathlib import Path
+
+            from safetensors.torch import save_file
+
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in adapter.items()}, f"{folder}/adapter_model.safetensors",
+                      metadata={"format": "pt"})
+        return len(adapter)
 
     def tether_commit(self) -> int:
         """Finish the push: load what shared memory delivered, or end the reload the broadcast began;

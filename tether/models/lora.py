@@ -150,13 +150,17 @@ def merged_tensors(model: nn.Module, only_adapted: bool = False) -> Iterator[tup
             yield name, _full(tensor)
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' full tensors under PEFT's names (``base_model.model.<layer>.lora_A.weight``)."""
-    out = {}
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every adapter (``base_model.model.<layer>.lora_A.weight``): what a
+    push to an engine serving them as a LoRA carries. Collective under FSDP: every rank iterates it."""
     for name, layer in lora_layers(model).items():
         for param in LORA_PARAMS:
-            out[f"{PEFT_PREFIX}{name}.{param}.weight"] = _full(getattr(layer, param)).cpu().contiguous()
-    return out
+            yield f"{PEFT_PREFIX}{name}.{param}.weight", _full(getattr(layer, param))
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' full tensors under PEFT's names, in host memory (a folder's worth)."""
+    return {name: t.cpu().contiguous() for name, t in adapter_tensors(model)}
 
 
 def peft_config(cfg: LoRAConfig, names: list[str], base: str) -> dict:
@@ -181,6 +185,30 @@ def save_peft_adapter(model: nn.Module, cfg: LoRAConfig, base: str, out_dir: str
     save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_config(cfg, list(lora_layers(model)), base)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def adapter_shapes(model_path: str, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
+    """{PEFT name: shape} of the adapters ``cfg`` puts on the model at ``model_path``, from a model
+    built on the meta device (its config only; no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    apply_lora(model, cfg, model_path)
+    return {name: tuple(t.shape) for name, t in adapter_tensors(model)}  # type: ignore[misc]
+
+
+def save_zero_adapter(model_path: str, cfg: LoRAConfig, dtype: torch.dtype, out_dir: str | Path) -> Path:
+    """A PEFT folder of adapters that change nothing (A = B = 0): what an engine serving the policy
+    as a LoRA serves before the first push, so every request names the adapter from the start."""
+    shapes = adapter_shapes(model_path, cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}, str(out / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    names = [name[len(PEFT_PREFIX):].rpartition(".lora_")[0] for name in shapes]
+    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, sorted(set(names)), model_path), indent=2) + "\n")
     return out
 
 

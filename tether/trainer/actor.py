@@ -28,12 +28,12 @@ from tether.run.checkpoint import load_trainer, read_meta, save_trainer
 from tether.config import TetherConfig, config_from_dict
 from tether.trainer.critic import Critic
 from tether.models.hf import load_model, load_tokenizer
-from tether.models.lora import has_lora, merged_tensors, trainable_count
+from tether.models.lora import adapter_tensors, has_lora, merged_tensors, trainable_count
 from tether.trainer.model import prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
-from tether.engine.backends import backend, engine_ranks
+from tether.engine.backends import ADAPTER, LAYERS, WHOLE, engine_ranks, lora_push
 from tether.errors import EnginesLostInPush
 from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
@@ -243,14 +243,20 @@ class TrainActor:
         """The gathered tensors a push sends, where the transport takes them (the object store from host
         memory, a broadcast from the device it runs on: NCCL's from the GPU, no trip through the host).
 
-        With LoRA only the adapted layers' merged weights change, and only they travel: every engine
-        loaded the same base from model.path, and no step touches the rest. Everything travels to an
-        engine that starts from nothing (one replaced, or one whose weights were released: offload),
-        and to a backend that loads whole layers only (vLLM).
+        With LoRA the base never changes (every engine loaded it from model.path), so what travels is
+        what the backend takes (engine/backends.py): the adapters themselves to an engine serving them
+        as a LoRA (vLLM's runtime LoRA route), the adapted layers' merged weights to one that takes
+        some weights (the embedded engine, SGLang), the whole merged model to the rest. An engine that
+        starts from nothing (one replaced, or one whose weights were released: offload) gets the whole
+        merged model, unless it serves adapters: its base is model.path's.
         """
-        only_adapted = (not everything and not self.cfg.cluster.offload and has_lora(self.model)
-                        and backend(self.cfg).partial_updates)
-        return ((name, t.to(device)) for name, t in merged_tensors(self.model, only_adapted))
+        mode = lora_push(self.cfg) if has_lora(self.model) else WHOLE
+        if mode == ADAPTER:
+            tensors = adapter_tensors(self.model)
+        else:
+            only_adapted = mode == LAYERS and not everything and not self.cfg.cluster.offload
+            tensors = merged_tensors(self.model, only_adapted)
+        return ((name, t.to(device)) for name, t in tensors)
 
     def replace_engine(self, index: int, engine: Any, url: str) -> dict[str, float]:
         """A new engine takes engine ``index``'s place: it gets the current weights (as version
