@@ -69,3 +69,45 @@ def push_over_nccl_and_back(http, url: str, state: dict[str, torch.Tensor], vers
         assert contract.tokens_of(after) != before and int(after["meta_info"]["weight_version"]) == version + 1
         trainer.submit(contract.send_over_a_group, url, [(norm, state[norm])], version + 2, 2**20, "nccl", "cuda").result(timeout=300)
     assert contract.tokens_of(contract.generate(http, [[5, 6, 7]], GREEDY)[0]) == before
+
+
+LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def lora_pushes_serve_the_merged_model(actor, url: str, model_dir: Path, fields: dict, tolerance: float) -> None:
+    """A LoRA policy served through the engine's LoRA route (``actor`` started with ``lora=LORA``): two
+    pushes of adapters (object-store buckets, as the trainer sends them) and each time the engine's
+    log-probs of a sampled reply, asked with ``fields`` (the adapter's name where the engine needs it),
+    are an HF forward of the merged model within ``tolerance`` (mean |diff|), and not of the base."""
+    import httpx
+
+    import tests.integration.test_engine_contract as contract
+    from safetensors.torch import load_file
+    from tether.models.hf import load_model
+    from tether.models.lora import adapter_state, apply_lora, lora_layers, merged_tensors
+    from tether.models.lora_config import LoRAConfig
+    from tether.weight_sync.object_store import pack_bucket
+
+    base = load_file(str(model_dir / "model.safetensors"))
+    torch.manual_seed(0)
+    model = load_model(str(model_dir), "float32")
+    apply_lora(model, LoRAConfig(**LORA))
+    body = {"input_ids": [[5, 6, 7]], "return_logprob": True, **fields,
+            "sampling_params": [{"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}]}
+    for _ in range(2):
+        with torch.no_grad():
+            for layer in lora_layers(model).values():
+                layer.lora_B.normal_(0, 0.5)
+        version = actor.weight_version + 1
+        actor.load_weight_bucket(pack_bucket(list(adapter_state(model).items())), version)
+        actor.commit_weights(version)
+        reply = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()[0]
+        engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        merged = {k: v for k, v in merged_tensors(model) if k != "lm_head.weight"}
+        expected = contract.hf_logprobs(model_dir, merged, [5, 6, 7], out["output_ids"])
+        plain = contract.hf_logprobs(model_dir, base, [5, 6, 7], out["output_ids"])
+        mean = sum(abs(a - b) for a, b in zip(engine, expected)) / len(engine)
+        assert mean < tolerance, f"mean |logprob diff| {mean:.4f} against the merged model"
+        assert sum(abs(a - b) for a, b in zip(expected, plain)) / len(engine) > 4 * tolerance  # it can tell

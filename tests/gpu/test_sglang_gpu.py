@@ -149,3 +149,21 @@ def test_a_short_rollout_matches_an_hf_forward(http, state, model_dir):
     """SGLang (bfloat16) against a float32 HF forward of the same weights."""
     diffs = rollout_logprob_diffs(http, state, model_dir)
     assert sum(diffs) / len(diffs) < 0.05, f"mean |logprob diff| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.4f}"
+
+
+def test_lora_adapters_pushed_through_sglangs_lora_route(model_dir):
+    """engine.lora_updates: adapter: SGLang with --enable-lora loads each push's adapter folder
+    (/unload_lora_adapter, /load_lora_adapter) and serves it to requests naming it (lora_path)."""
+    from tests.gpu.conftest import LORA, lora_pushes_serve_the_merged_model
+    from tether.engine.backends import LORA_NAME
+
+    python = server_python_or_skip("sglang", "TETHER_SGLANG_PYTHON")
+    cfg = {"python": python, "mem_fraction_static": 0.2, "startup_timeout_s": 600,
+           "extra_args": ["--attention-backend", "triton", "--disable-cuda-graph", "--context-length", "4096"]}
+    actor = SglangEngineActor(str(model_dir), cfg, dtype="bfloat16", seed=0, log_dir=str(model_dir.parent / "logs"),
+                              lora=LORA)
+    try:
+        actor.health()
+        lora_pushes_serve_the_merged_model(actor, actor.url(), model_dir, {"lora_path": [LORA_NAME]}, 0.05)
+    finally:
+        actor.shutdown()

@@ -66,3 +66,18 @@ def test_a_short_rollout_matches_an_hf_forward(http, backend, model_dir):
     """vLLM (float32 on the GPU) against a float32 HF forward of the same weights."""
     diffs = rollout_logprob_diffs(http, backend[1](), model_dir)
     assert sum(diffs) / len(diffs) < 0.05, f"mean |logprob diff| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.4f}"
+
+
+def test_lora_adapters_pushed_through_vllms_lora_route(model_dir):
+    """engine.lora_updates: adapter on a GPU: vLLM with --enable-lora serves the pushed adapters."""
+    from tests.gpu.conftest import LORA, lora_pushes_serve_the_merged_model
+
+    python = server_python_or_skip("vllm", "TETHER_VLLM_PYTHON")
+    actor = VllmEngineActor(str(model_dir), {"python": python, "gpu_memory_utilization": 0.2, "max_model_len": 1024,
+                                             "startup_timeout_s": 900},
+                            dtype="float32", seed=0, device="cuda", log_dir=str(model_dir.parent / "logs"), lora=LORA)
+    try:
+        actor.health()
+        lora_pushes_serve_the_merged_model(actor, actor.url(), model_dir, {}, 0.05)
+    finally:
+        actor.shutdown()

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from tether.engine.config import SglangConfig
 from tether.engine.sglang import (
-    SglangEngineActor, check_reply, disk_update_body, launch_args, memory_body, version_body, write_safetensors,
+    SglangEngineActor, check_reply, disk_update_body, launch_args, lora_body, memory_body, version_body,
+    write_safetensors,
 )
 from tether.weight_sync.object_store import pack_bucket
 from tether.weight_sync.shared_memory import StagingSegment
@@ -30,6 +31,8 @@ SGLANG_FIELDS = {
     "UpdateWeightVersionReqInput": ({"new_version", "abort_all_requests"}, {"new_version"}),
     "ReleaseMemoryOccupationReqInput": ({"tags"}, set()),
     "ResumeMemoryOccupationReqInput": ({"tags"}, set()),
+    "LoadLoRAAdapterReqInput": ({"lora_name", "lora_path", "pinned", "lora_id"}, {"lora_name", "lora_path"}),
+    "UnloadLoRAAdapterReqInput": ({"lora_name", "lora_id"}, {"lora_name"}),
 }
 SGLANG_MEMORY_TAGS = {"weights", "kv_cache"}  # "Currently we only support `weights` and `kv_cache`"
 
@@ -60,6 +63,14 @@ def test_launch_args_carry_the_config_and_extra_args_as_written():
     assert "--enable-memory-saver" not in off and flags(off)["--host"] == "0.0.0.0"
 
 
+def test_a_lora_policy_changes_the_launch():
+    args = launch_args("/m", 1, SglangConfig(), "bfloat16", 0, lora=(16, ["down_proj", "q_proj"]))
+    assert "--enable-lora" in args and flags(args)["--max-lora-rank"] == "16" and flags(args)["--max-loras-per-batch"] == "1"
+    at = args.index("--lora-target-modules")
+    assert args[at + 1:at + 3] == ["down_proj", "q_proj"] and "--enable-weights-cpu-backup" in args
+    assert "--enable-lora" not in launch_args("/m", 1, SglangConfig(), "bfloat16", 0)
+
+
 def test_request_bodies_have_sglang_field_names_and_types():
     disk = disk_update_body(Path("/dev/shm/stage"))
     assert_sglang_shaped(disk, "UpdateWeightFromDiskReqInput")
@@ -73,6 +84,8 @@ def test_request_bodies_have_sglang_field_names_and_types():
         assert set(body["tags"]) <= SGLANG_MEMORY_TAGS
     with pytest.raises(ValueError, match="unknown memory tags"):
         memory_body(["gpu"])
+    assert_sglang_shaped(lora_body(Path("/dev/shm/a")), "LoadLoRAAdapterReqInput")
+    assert_sglang_shaped({"lora_name": "tether-policy"}, "UnloadLoRAAdapterReqInput")
 
 
 def test_replies_are_parsed_and_errors_name_the_route():
@@ -157,6 +170,44 @@ def stand_in(tiny_model_dir):
         core.exclusive(lambda: engine.commit_weights(int(body.new_version)))
         return {"success": True, "message": "ok", "new_version": body.new_version}
 
+    LoadIn = strict_model("LoadLoRAAdapterReqInput", {"lora_name": str, "lora_path": str})
+    UnloadIn = strict_model("UnloadLoRAAdapterReqInput", {"lora_name": str})
+    base = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    loaded: dict[str, list[str]] = {}  # adapter name -> the weights it changed
+
+    @app.post("/load_lora_adapter")
+    def load_lora(raw: dict) -> Any:
+        """As SGLang: a name loads once; the PEFT folder is read when it loads. The stand-in serves the
+        adapter by merging it into the base (W + lora_alpha / r * B A), the model every request then sees."""
+        import json
+
+        body = validated(LoadIn, raw)
+        seen.append(("/load_lora_adapter", raw))
+        if body.lora_name in loaded:
+            return JSONResponse({"success": False, "message": f"{body.lora_name} is already loaded"}, status_code=400)
+        config = json.loads((Path(body.lora_path) / "adapter_config.json").read_text())
+        tensors = load_file(str(Path(body.lora_path) / "adapter_model.safetensors"))
+        merged = {}
+        for name in {n.removeprefix("base_model.model.").rpartition(".lora_")[0] for n in tensors}:
+            a = tensors[f"base_model.model.{name}.lora_A.weight"].float()
+            b = tensors[f"base_model.model.{name}.lora_B.weight"].float()
+            merged[f"{name}.weight"] = base[f"{name}.weight"] + config["lora_alpha"] / config["r"] * (b @ a)
+        core.exclusive(lambda: (engine.load_weight_bucket(merged, engine.weight_version),
+                                engine.commit_weights(engine.weight_version)))
+        loaded[body.lora_name] = list(merged)
+        return {"success": True, "error_message": "", "loaded_adapters": {body.lora_name: body.lora_path}}
+
+    @app.post("/unload_lora_adapter")
+    def unload_lora(raw: dict) -> Any:
+        body = validated(UnloadIn, raw)
+        seen.append(("/unload_lora_adapter", raw))
+        if body.lora_name not in loaded:
+            return JSONResponse({"success": False, "message": f"{body.lora_name} is not loaded"}, status_code=400)
+        restored = {name: base[name] for name in loaded.pop(body.lora_name)}
+        core.exclusive(lambda: (engine.load_weight_bucket(restored, engine.weight_version),
+                                engine.commit_weights(engine.weight_version)))
+        return {"success": True, "error_message": "", "loaded_adapters": {}}
+
     server = ThreadedServer(app, "127.0.0.1", 0, "SGLang stand-in").start()
     yield server.url, engine, seen
     server.stop()
@@ -236,6 +287,49 @@ def test_the_stand_in_is_as_strict_as_sglang_fields(stand_in):
     url = stand_in[0]
     assert httpx.post(f"{url}/update_weight_version", json={"new_version": 3}).status_code == 422  # not a str
     assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/x", "names": []}).status_code == 422
+
+
+def test_a_lora_policy_is_served_as_an_adapter_loaded_by_name(stand_in, tiny_model_dir):
+    """engine.lora_updates: adapter: the actor loads adapters that change nothing as tether-policy, then
+    each push's adapters (PEFT's names, kept aside from the weight route) as a new folder, unloading the
+    last; what the server then serves is the trainer's merged model."""
+    from tether.models.hf import load_model
+    from tether.models.lora import adapter_state, apply_lora, lora_layers, merged_tensors
+    from tether.models.lora_config import LoRAConfig
+
+    url, engine, seen = stand_in
+    seen.clear()
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]}
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    actor = SglangEngineActor.attach(url, model_path=str(tiny_model_dir), dtype="float32", lora=lora)
+    try:
+        actor.health()
+        assert [route for route, _ in seen] == ["/load_lora_adapter"]
+        assert seen[0][1]["lora_name"] == "tether-policy"
+        assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())  # zero adapters
+        torch.manual_seed(0)
+        model = load_model(str(tiny_model_dir), "float32")
+        apply_lora(model, LoRAConfig(**lora))
+        for step in (1, 2):
+            with torch.no_grad():
+                for layer in lora_layers(model).values():
+                    layer.lora_B.normal_(0, 0.5)
+            adapters = list(adapter_state(model).items())
+            version = engine.weight_version + 1
+            assert actor.load_weight_bucket(pack_bucket(adapters[:3]), version) == 3  # kept for the commit
+            assert actor.load_weight_bucket(pack_bucket(adapters[3:]), version) == len(adapters) - 3
+            assert actor.commit_weights(version) == version
+            served = engine.model.state_dict()
+            for name, tensor in merged_tensors(model, only_adapted=True):
+                torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-5)
+                assert not torch.allclose(tensor, before[name], atol=1e-3)  # the check can tell
+            assert [p.name for p in actor._stage.iterdir()] == [f"adapter-push{step}"]  # the last one only
+        routes = [route for route, _ in seen]
+        assert routes == ["/load_lora_adapter"] + ["/unload_lora_adapter", "/load_lora_adapter", "/update_weight_version"] * 2
+    finally:
+        httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "tether-policy"})  # the base again
+        actor.shutdown()
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
 
 
 def test_a_refused_bucket_raises_naming_the_route_and_leaves_no_file(actor):

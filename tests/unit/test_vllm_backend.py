@@ -88,7 +88,12 @@ def test_what_a_lora_run_pushes_to_each_backend():
     assert lora_push(cfg({"backend": "embedded"})) == LAYERS
     assert lora_push(cfg({"backend": "vllm"})) == ADAPTER
     assert lora_push(cfg({"backend": "vllm", "lora_updates": "merged"})) == WHOLE
-    assert BACKENDS["sglang"].lora_push(None) == LAYERS
+    sglang = {"backend": "sglang"}
+    gpu = {"cluster": {"gpus_per_bundle": 1}}
+    assert lora_push(config_from_dict({"model": {"path": "/m", "lora": RANK_8}, "engine": sglang, **gpu})) == ADAPTER
+    merged = {**sglang, "lora_updates": "merged"}
+    assert lora_push(config_from_dict({"model": {"path": "/m", "lora": RANK_8}, "engine": merged, **gpu})) == LAYERS
+    assert BACKENDS["sglang"].adapter_field == "lora_path" and BACKENDS["vllm"].adapter_field is None
     # vLLM's actor learns of the adapters only when it serves them
     assert engine_spec(cfg({"backend": "vllm"}), "cpu", 1)[1]["lora"]["rank"] == 8
     assert engine_spec(cfg({"backend": "vllm", "lora_updates": "merged"}), "cpu", 1)[1]["lora"] is None
@@ -96,6 +101,49 @@ def test_what_a_lora_run_pushes_to_each_backend():
     with pytest.raises(ConfigError, match="model.lora.rank=600: vLLM serves LoRA ranks up to 512"):
         cfg({"backend": "vllm"}, {"rank": 600})
     cfg({"backend": "vllm", "lora_updates": "merged"}, {"rank": 600})  # merged pushes take any rank
+
+
+def test_every_backends_actor_takes_the_arguments_it_is_given():
+    """engine_spec's keyword arguments bind to each actor's constructor (SGLang's once lacked two)."""
+    import inspect
+
+    from tether.engine.backends import engine_spec
+
+    for engine, extra in (({"backend": "embedded"}, {}), ({"backend": "vllm"}, {}),
+                          ({"backend": "sglang"}, {"cluster": {"gpus_per_bundle": 1}})):
+        for lora in (None, RANK_8):
+            cfg = config_from_dict({"model": {"path": "/m", "lora": lora}, "engine": engine, **extra})
+            actor, kwargs = engine_spec(cfg, "cpu", 1)
+            inspect.signature(actor).bind(**kwargs)
+
+
+def test_requests_name_the_adapter_where_the_engine_needs_them_to():
+    """SGLang serves the policy's adapters only to requests carrying lora_path: the rollout's batches and
+    a generate function's calls carry it; vLLM's adapter names it itself; full runs carry nothing."""
+    from tether.engine.backends import request_fields
+    from tether.engine.sampling import SamplingParams
+    from tether.rollout.fleet import EngineFleet
+    from tether.rollout.generate_fn import GenerateContext
+    from tether.sample import Sample
+
+    gpu = {"cluster": {"gpus_per_bundle": 1}}
+    sglang = config_from_dict({"model": {"path": "/m", "lora": RANK_8}, "engine": {"backend": "sglang"}, **gpu})
+    assert request_fields(sglang) == {"lora_path": "tether-policy"}
+    merged = config_from_dict({"model": {"path": "/m", "lora": RANK_8},
+                               "engine": {"backend": "sglang", "lora_updates": "merged"}, **gpu})
+    full = config_from_dict({"model": {"path": "/m"}, "engine": {"backend": "sglang"}, **gpu})
+    vllm = config_from_dict({"model": {"path": "/m", "lora": RANK_8}, "engine": {"backend": "vllm"}})
+    assert request_fields(merged) == request_fields(full) == request_fields(vllm) == {}
+    fleet = EngineFleet(["http://127.0.0.1:1"], 5.0, fields=request_fields(sglang))
+    sample = Sample(prompt_index=0, sample_index=0, prompt="p", label=None, metadata={}, prompt_ids=[1, 2])
+    payload = fleet.payload([sample], SamplingParams(max_new_tokens=4), [0], ["r0"])
+    assert payload["lora_path"] == "tether-policy" and payload["input_ids"] == [[1, 2]]
+    ctx = GenerateContext(url="http://x", client=None, tokenizer=None, cfg=sglang, rollout_id=0, evaluation=False,
+                          rid="r", seed=0, is_cut=lambda: False, timeout_s=1.0)
+    assert ctx._fields == {"lora_path": "tether-policy"}
+    with pytest.raises(ConfigError, match="cannot arrive over cluster.weight_sync: distributed"):
+        config_from_dict({"model": {"path": "/m", "lora": RANK_8}, "engine": {"backend": "sglang"},
+                          "cluster": {"gpus_per_bundle": 1, "weight_sync": "distributed"}})
 
 
 def test_a_server_that_exits_is_reported_with_its_command_and_log(tmp_path):

@@ -21,7 +21,7 @@ from tether.config.base import Section
 from tether.config.raw import apply_overrides, resolve_function_specs
 from tether.models.lora_config import LoRAConfig
 from tether.engine.config import (EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServedModelConfig,
-                                  ServerConfig, VllmConfig)
+                                  ServerConfig, SglangConfig, VllmConfig)
 from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
 from tether.rollout.config import RolloutConfig
 from tether.errors import ConfigError
@@ -457,6 +457,12 @@ class TetherConfig(Section):
         if isinstance(e, VllmConfig) and e.lora_updates == "adapter" and self.model.lora and self.model.lora.rank > 512:
             raise ValueError(f"model.lora.rank={self.model.lora.rank}: vLLM serves LoRA ranks up to 512; set "
                              "engine.lora_updates: merged to push merged weights instead")
+        if (isinstance(e, SglangConfig) and e.lora_updates == "adapter" and self.model.lora
+                and c.weight_sync == "distributed"):
+            raise ValueError("engine.lora_updates: adapter with engine.backend: sglang loads the adapters from a folder "
+                             "the engine actor writes, so they cannot arrive over cluster.weight_sync: distributed "
+                             "(SGLang's workers would load them as model weights): use object_store, or "
+                             "engine.lora_updates: merged")
         if not isinstance(e, ExternalEnginesConfig):
             return
         if len(e.urls) != c.num_engines:

@@ -42,6 +42,10 @@ class Backend:
     """Members each engine brings to the weight-update group: one per tensor-parallel worker."""
     lora_push: Callable[[Any], str] = lambda engine: LAYERS
     """What a LoRA run's pushes carry (one of LORA_PUSHES), from the engine: section."""
+    adapter_field: str | None = None
+    """The request field that names the adapter an engine serves the policy as (SGLang's ``lora_path``),
+    set by the rollout on every /generate; None: the engine names it itself (vLLM's adapter) or serves
+    no adapter."""
 
 
 def server_limits(cfg: TetherConfig) -> ServerLimits:
@@ -71,8 +75,8 @@ def _server_process(cfg: TetherConfig, device: str, threads: int) -> dict[str, A
                 limits=server_limits(cfg))
 
 
-def _vllm(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
-    """vLLM's actor also learns of the run's adapters: served as a LoRA, they change its launch."""
+def _serving_lora(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
+    """vLLM's and SGLang's actors also learn of the run's adapters: served as a LoRA, they change the launch."""
     lora = cfg.model.lora
     served = lora.model_dump(mode="json") if lora is not None and lora_push(cfg) == ADAPTER else None
     return {**_server_process(cfg, device, threads), "lora": served}
@@ -80,11 +84,12 @@ def _vllm(cfg: TetherConfig, device: str, threads: int) -> dict[str, Any]:
 
 BACKENDS: dict[str, Backend] = {
     "embedded": Backend(EmbeddedEngineConfig, "tether.engine.actor:EngineActor", _embedded),
-    "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _vllm,
+    "vllm": Backend(VllmConfig, "tether.engine.vllm:VllmEngineActor", _serving_lora,
                     startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tensor_parallel_size,
                     lora_push=lambda e: ADAPTER if e.lora_updates == "adapter" else WHOLE),
-    "sglang": Backend(SglangConfig, "tether.engine.sglang:SglangEngineActor", _server_process,
-                      startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tp_size),
+    "sglang": Backend(SglangConfig, "tether.engine.sglang:SglangEngineActor", _serving_lora,
+                      startup_timeout_s=lambda e: e.startup_timeout_s, ranks=lambda e: e.tp_size,
+                      lora_push=lambda e: ADAPTER if e.lora_updates == "adapter" else LAYERS, adapter_field="lora_path"),
     "external": Backend(ExternalEnginesConfig, None, lora_push=lambda e: WHOLE),
 }
 
@@ -96,6 +101,18 @@ def backend(cfg: TetherConfig) -> Backend:
 def lora_push(cfg: TetherConfig) -> str:
     """What this run's LoRA pushes carry to its engines (LAYERS, ADAPTER or WHOLE)."""
     return backend(cfg).lora_push(cfg.engine)
+
+
+LORA_NAME = "tether-policy"  # the name a LoRA run's adapters are served under by every engine that serves them
+
+
+def request_fields(cfg: TetherConfig) -> dict[str, str]:
+    """Fields every /generate to the policy's engines carries: the served adapter's name where the
+    engine serves the policy as a LoRA and needs each request to say so (SGLang)."""
+    field = backend(cfg).adapter_field
+    if field is None or cfg.model.lora is None or lora_push(cfg) != ADAPTER:
+        return {}
+    return {field: LORA_NAME}
 
 
 def engine_spec(cfg: TetherConfig, device: str, threads: int) -> EngineSpec:

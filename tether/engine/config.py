@@ -98,6 +98,11 @@ class SglangConfig(ServerProcessConfig):
     """SGLang's --tp-size (GPUs per engine)."""
     enable_memory_saver: bool = True
     """--enable-memory-saver, needed by /release_memory_occupation when colocated."""
+    lora_updates: Literal["adapter", "merged"] = "adapter"
+    """How a LoRA run's pushes reach SGLang (model.lora set): ``adapter``: the adapters only, loaded with
+    SGLang's /load_lora_adapter (--enable-lora) and named by every request (``lora_path``); needs
+    cluster.weight_sync: object_store. ``merged``: the adapted layers' merged weights through
+    /update_weights_from_disk, so SGLang decodes with no LoRA kernels."""
 
 
 class ExternalEnginesConfig(Section):

@@ -52,12 +52,16 @@ from typing import Any
 import httpx
 import torch
 
+from tether.engine.backends import LORA_NAME
 from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import SglangConfig
 from tether.engine.server_process import ServerProcess
 from tether.http.client import engine_headers, sync_client
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits
 from tether.http.server import free_port
+from tether.models.hf import DTYPES
+from tether.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_shapes, save_zero_adapter
+from tether.models.lora_config import LoRAConfig
 from tether.weight_sync.object_store import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket, shared_memory_room
 
@@ -69,13 +73,21 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 # ------------------------------------------------------------ requests and replies (pure)
 def launch_args(model_path: str, port: int, cfg: SglangConfig, dtype: str, seed: int,
-                host: str = "127.0.0.1", api_key: str | None = None) -> list[str]:
-    """Arguments after the Python executable; cfg.extra_args go last, as written."""
+                host: str = "127.0.0.1", api_key: str | None = None,
+                lora: tuple[int, list[str]] | None = None) -> list[str]:
+    """Arguments after the Python executable; cfg.extra_args go last, as written. ``lora``: (rank,
+    target modules) of the adapters the policy is served as, loaded at run time."""
     args = ["-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
             "--dtype", dtype, "--random-seed", str(seed), "--mem-fraction-static", str(cfg.mem_fraction_static),
             "--tp-size", str(cfg.tp_size), "--weight-version", "0"]
     if cfg.enable_memory_saver:
         args.append("--enable-memory-saver")
+    if lora is not None:
+        rank, modules = lora
+        args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras-per-batch", "1",
+                 "--lora-target-modules", *modules]
+        if cfg.enable_memory_saver:  # released weights come back from host memory: no push brings the base
+            args.append("--enable-weights-cpu-backup")
     if api_key:  # SGLang then asks every route but its health checks for the bearer token tether's clients send
         args += ["--api-key", api_key]
     return args + list(cfg.extra_args)
@@ -94,6 +106,11 @@ def version_body(version: int) -> dict[str, Any]:
 def memory_body(tags: list[str]) -> dict[str, Any]:
     """Release/ResumeMemoryOccupationReqInput: SGLang's tags are ours (weights, kv_cache)."""
     return {"tags": check_tags(tags)}
+
+
+def lora_body(folder: Path) -> dict[str, Any]:
+    """LoadLoRAAdapterReqInput: the policy's adapters, under the name every request gives (lora_path)."""
+    return {"lora_name": LORA_NAME, "lora_path": str(folder)}
 
 
 def check_reply(reply: httpx.Response, what: str) -> dict:
@@ -150,9 +167,18 @@ def remove_stale_stages(root: Path) -> None:
 class SglangEngineActor(EngineBackend):
     def __init__(self, model_path: str, cfg: dict, dtype: str = "bfloat16", seed: int = 0, host: str = "127.0.0.1",
                  log_dir: str = "outputs/engines", request_timeout_s: float = 600.0, attach_url: str | None = None,
-                 limits: ServerLimits = DEFAULT_LIMITS):
-        """Starts SGLang on a free port; with ``attach_url``, uses a server already running there instead."""
+                 limits: ServerLimits = DEFAULT_LIMITS, lora: dict | None = None, device: str = "cuda",
+                 threads: int = 0):
+        """Starts SGLang on a free port; with ``attach_url``, uses a server already running there instead.
+        ``lora``: the run's model.lora when its pushes are the adapters (engine.lora_updates: adapter):
+        SGLang serves the policy as that LoRA of the base, and the rollout names it in every request
+        (engine/backends.py's request_fields). ``device`` and ``threads`` are SGLang's own business."""
         self.cfg = SglangConfig.model_validate(cfg)
+        self.model_path, self.dtype = model_path, dtype
+        self.lora = LoRAConfig.model_validate(lora) if lora is not None else None
+        self._adapter: dict[str, torch.Tensor] = {}  # this push's adapter tensors, until the commit
+        self._adapter_path: Path | None = None
+        self._adapter_pushes = 0
         self.weight_version = 0
         self.released: set[str] = set()
         self._lock = threading.Lock()  # one bucket at a time through the stage directory
@@ -169,14 +195,20 @@ class SglangEngineActor(EngineBackend):
         port = free_port("0.0.0.0" if host == "0.0.0.0" else "127.0.0.1")
         self.sglang_url = f"http://127.0.0.1:{port}"
         log = Path(log_dir).resolve() / f"sglang_{os.getpid()}.log"
-        self.server = ServerProcess("SGLang server", launch_args(model_path, port, self.cfg, dtype, seed, host, limits.api_key),
-                                    self.cfg.python, dict(self.cfg.env), log, f"{self.sglang_url}/health")
+        served = None
+        if self.lora is not None:
+            shapes = adapter_shapes(model_path, self.lora)
+            served = (self.lora.rank, sorted({n.rpartition(".lora_")[0].rpartition(".")[2] for n in shapes}))
+        args = launch_args(model_path, port, self.cfg, dtype, seed, host, limits.api_key, served)
+        self.server = ServerProcess("SGLang server", args, self.cfg.python, dict(self.cfg.env), log,
+                                    f"{self.sglang_url}/health")
         self._url = f"http://{node_address() if host == '0.0.0.0' else host}:{port}"
 
     @classmethod
-    def attach(cls, url: str, cfg: dict | None = None, **kwargs: Any) -> SglangEngineActor:
-        """An actor for an SGLang-compatible server already listening at ``url`` (started elsewhere)."""
-        return cls("", cfg or {}, attach_url=url, **kwargs)
+    def attach(cls, url: str, cfg: dict | None = None, model_path: str = "", **kwargs: Any) -> SglangEngineActor:
+        """An actor for an SGLang-compatible server already listening at ``url`` (started elsewhere);
+        ``model_path``: the model it serves (needed to serve a LoRA policy: the adapters' shapes)."""
+        return cls(model_path, cfg or {}, attach_url=url, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
     def url(self) -> str:
@@ -188,6 +220,10 @@ class SglangEngineActor(EngineBackend):
                 self.startup_s = self.server.wait_healthy(self.cfg.startup_timeout_s)
             else:
                 check_reply(self._client.get(f"{self.sglang_url}/health"), "GET /health")
+            if self.lora is not None:  # adapters that change nothing until the first push
+                zero = save_zero_adapter(self.model_path, self.lora, DTYPES.get(self.dtype, torch.bfloat16),
+                                         self._stage / "adapter-push0")
+                self._load_adapter(zero)
             self._ready = True
         if self.server is not None and not self.server.alive():
             raise RuntimeError(f"the SGLang server exited; its log ends with:\n{self.server.log_tail()}")
@@ -219,11 +255,40 @@ class SglangEngineActor(EngineBackend):
         self.released -= set(body["tags"])
 
     # ------------------------------------------------------------ weights
+    def _load_adapter(self, folder: Path) -> None:
+        """SGLang serves the adapters in ``folder`` as LORA_NAME from here on. It loads a name once, so
+        the previous adapters are unloaded first (a push happens with no request running: the loops
+        push between rollouts, or with generation paused)."""
+        if self._adapter_path is not None:
+            self._post("/unload_lora_adapter", {"lora_name": LORA_NAME})
+            shutil.rmtree(self._adapter_path, ignore_errors=True)
+        self._post("/load_lora_adapter", lora_body(folder))
+        self._adapter_path = folder
+
+    def _commit_adapter(self) -> int:
+        """The adapters this push delivered, written as a PEFT folder next to the base's and loaded."""
+        if not self._adapter or self._adapter_path is None:
+            return 0
+        self._adapter_pushes += 1
+        folder = self._stage / f"adapter-push{self._adapter_pushes}"
+        folder.mkdir()
+        count = len(self._adapter)
+        write_safetensors(folder / ADAPTER_WEIGHTS, self._adapter)
+        shutil.copy(self._adapter_path / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
+        self._adapter = {}
+        self._load_adapter(folder)
+        return count
+
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
         """Tensors into the server: a safetensors file in the stage directory, /update_weights_from_disk,
-        the file removed. Call with the lock held."""
+        the file removed. Adapter tensors (PEFT's names) are kept for the commit instead. Call with the
+        lock held."""
+        adapter = {n: t.detach().cpu().clone() for n, t in tensors.items() if n.startswith(PEFT_PREFIX)}
+        if adapter:
+            self._adapter.update(adapter)
+            tensors = {n: t for n, t in tensors.items() if n not in adapter}
         if not tensors:
-            return 0
+            return len(adapter)
         need = sum(t.numel() * t.element_size() for t in tensors.values())
         room = shared_memory_room(str(self._stage))
         if room is not None and room < need:
@@ -248,6 +313,7 @@ class SglangEngineActor(EngineBackend):
 
     def commit_weights(self, version: int) -> int:
         with self._lock:
+            self._commit_adapter()
             self._post("/update_weight_version", version_body(version))
             self.weight_version = version
             self.released.discard(WEIGHTS)

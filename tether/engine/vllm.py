@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tether.engine.backends import LORA_NAME
 from tether.engine.base import WEIGHTS, EngineBackend, check_tags, node_address
 from tether.engine.config import VllmConfig
 from tether.engine.server_process import ServerProcess
@@ -43,7 +44,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the tether package, for
 WORKER_EXTENSION = "tether.engine.vllm_worker.TetherWorkerExtension"
 
 
-LORA_NAME = "tether-policy"  # the name every request gives the policy's adapters when served as a LoRA
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank takes
 
 

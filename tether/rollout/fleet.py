@@ -57,10 +57,12 @@ def fill_response(sample: Sample, out: dict) -> None:
 
 class EngineFleet:
     def __init__(self, urls: list[str], timeout_s: float, router: str = "builtin", log_dir: str | None = None,
-                 reissue: bool = False):
+                 reissue: bool = False, fields: dict | None = None):
         """``reissue``: send a request whose engine is lost to another engine (engine fault tolerance)
-        instead of failing the rollout."""
+        instead of failing the rollout. ``fields``: added to every /generate (engine/backends.py's
+        request_fields: the adapter an SGLang engine serves the policy as)."""
         self.reissue = reissue
+        self.fields = dict(fields or {})
         self.reissued_samples = 0
         if not urls:
             raise ValueError("EngineFleet needs at least one engine URL")
@@ -118,7 +120,7 @@ class EngineFleet:
         return {"input_ids": [s.prompt_ids + s.response_ids for s in samples],
                 "sampling_params": [sampling_payload(params, seed, params.max_new_tokens - s.response_length)
                                     for s, seed in zip(samples, seeds)],
-                "rid": rids, "return_logprob": True}
+                "rid": rids, "return_logprob": True, **self.fields}
 
     async def abort(self, client: httpx.AsyncClient, rids: list[str]) -> int:
         return await self.router.abort_async(client, rids)

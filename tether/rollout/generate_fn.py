@@ -45,6 +45,7 @@ import httpx
 
 from tether.config import TetherConfig
 from tether.config.raw import resolve_spec
+from tether.engine.backends import request_fields
 from tether.engine.sampling import SamplingParams
 from tether.importing import load_function
 from tether.rollout.failures import EngineReplyError, FailurePolicy, classify
@@ -98,6 +99,7 @@ class GenerateContext:
         self.rid, self._seed, self._is_cut, self._timeout_s = rid, seed, is_cut, timeout_s
         self.budget = budget
         self.calls = 0
+        self._fields = request_fields(cfg) if cfg is not None else {}  # the adapter SGLang serves the policy as
         self.args: dict = dict(cfg.args) if cfg is not None else {}
         """The config's ``args:``: this function's own settings."""
         self.models = SERVED_MODELS
@@ -111,7 +113,7 @@ class GenerateContext:
         seed = self._seed if self.calls == 0 else (self._seed * 1_000_033 + self.calls) % (1 << 62)
         self.calls += 1
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": {**sampling_params, "sampling_seed": seed},
-                   "rid": self.rid, "return_logprob": True}
+                   "rid": self.rid, "return_logprob": True, **self._fields}
         reply = await self.client.post(f"{self.url}/generate", json=payload, timeout=self._timeout_s)
         if reply.status_code != 200:
             raise EngineReplyError(f"engine {self.url} answered {reply.status_code} to /generate: {reply.text[:500]}")

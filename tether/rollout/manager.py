@@ -18,6 +18,7 @@ import ray
 
 from tether.config import ConfigError, TetherConfig, config_from_dict
 from tether.rollout.config import generate_fn_spec
+from tether.engine.backends import request_fields
 from tether.engine.sampling import SamplingParams
 from tether.models.hf import load_tokenizer
 from tether.rewards.shaping import overlong_penalty
@@ -116,7 +117,7 @@ class RolloutManager:
         served.connect(served_urls or {}, c.call_timeout_s)
         log_dir = Path(self.cfg.output_dir) / "engine_logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue)
+        self.fleet = EngineFleet(urls, c.call_timeout_s, c.router, str(log_dir), reissue, request_fields(self.cfg))
         self.watch = EngineWatch(self.fleet.router, c.engine_health_interval_s, c.engine_health_timeout_s,
                                  others=served.routers())
         self.driver = GroupDriver(self.fleet, self.cfg.cluster.call_timeout_s, self.custom, self.policy)
