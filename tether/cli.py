@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the embedded engine runs")
     serve.add_argument("--vllm-python", help="the Python of vLLM's environment (default: tether's)")
     serve.add_argument("--log-dir", default="engine_logs", help="where a vLLM server's log goes")
     serve.add_argument("--require-key-for-generate", action="store_true",
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tether: {err}", file=sys.stderr)
             return 2
         serve(args.engine, model, args.host, args.port, args.dtype, args.vllm_python, args.log_dir,
-              args.require_key_for_generate)
+              args.require_key_for_generate, args.device)
         return 0
     if args.command == "report":
         from tether.tracking.report import report

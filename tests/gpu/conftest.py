@@ -86,7 +86,7 @@ def lora_pushes_serve_the_merged_model(actor, url: str, model_dir: Path, fields:
     from tether.models.hf import load_model
     from tether.models.lora import adapter_state, apply_lora, lora_layers, merged_tensors
     from tether.models.lora_config import LoRAConfig
-    from tether.weight_sync.object_store import pack_bucket
+    from tether.weight_sync.packed import pack_bucket
 
     base = load_file(str(model_dir / "model.safetensors"))
     torch.manual_seed(0)

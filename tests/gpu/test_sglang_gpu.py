@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 import tests.integration.test_engine_contract as contract
 from tests.gpu.conftest import GREEDY, push_over_nccl_and_back, rollout_logprob_diffs, server_python_or_skip
 from tether.engine.sglang import SglangEngineActor
-from tether.weight_sync.object_store import pack_bucket
+from tether.weight_sync.packed import pack_bucket
 from tether.weight_sync.shared_memory import StagingSegment
 
 pytestmark = [pytest.mark.gpu]

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu]
 
 @pytest.fixture(scope="module")
 def backend(model_dir) -> Iterator[tuple[str, object]]:
-    """(url, state_dict), the shape the contract suite's tests take."""
+    """(url, state_dict, backend name), the shape the contract suite's tests take."""
     python = server_python_or_skip("vllm", "TETHER_VLLM_PYTHON")
     actor = VllmEngineActor(str(model_dir), {"python": python, "gpu_memory_utilization": 0.2, "max_model_len": 1024,
                                              "startup_timeout_s": 900},
@@ -36,7 +36,7 @@ def backend(model_dir) -> Iterator[tuple[str, object]]:
     try:
         assert actor.health()["backend"] == "vllm"
         state = load_file(str(model_dir / "model.safetensors"))
-        yield actor.url(), lambda: state
+        yield actor.url(), lambda: state, "vllm"
     finally:
         actor.shutdown()
 

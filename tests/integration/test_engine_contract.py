@@ -69,11 +69,11 @@ BACKENDS = {"embedded": embedded_backend, "vllm": vllm_backend}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
-def backend(request, vllm_model_dir) -> Iterator[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+def backend(request, vllm_model_dir) -> Iterator[tuple[str, Callable[[], dict[str, torch.Tensor]], str]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     url, stop, state_dict = BACKENDS[request.param](vllm_model_dir)
-    yield url, state_dict
+    yield url, state_dict, request.param
     stop()
     torch.set_num_threads(threads)
 
@@ -305,7 +305,7 @@ def test_a_pushed_tied_embedding_reaches_the_output_layer(http, backend, vllm_mo
         push(http, {emb: original[emb]}, version + 2)
 
 
-def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir, request):
+def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir):
     """What a LoRA run pushes (tether/models/lora.py), adapters on q_proj and v_proj (which vLLM keeps
     fused with k_proj in one qkv_proj): to a backend that takes partial updates, the adapted layers'
     merged weights alone; to vLLM with engine.lora_updates: merged, whose in-place reload completes whole
@@ -325,7 +325,7 @@ def test_a_lora_push_serves_the_adapted_model(http, backend, vllm_model_dir, req
             layer.lora_B.normal_(0, 1.0)
     from tether.engine.config import EmbeddedEngineConfig, VllmConfig
 
-    name = request.node.callspec.params["backend"]
+    name = backend[2]  # the backend's name: what it is pushed depends on it
     engine = VllmConfig(lora_updates="merged") if name == "vllm" else EmbeddedEngineConfig()
     partial = BACKENDS[name].lora_push(engine) == LAYERS
     pushed = {k: v for k, v in merged_tensors(model, only_adapted=partial) if k != "lm_head.weight"}

@@ -19,7 +19,7 @@ from tether.engine.sglang import (
     SglangEngineActor, check_reply, disk_update_body, launch_args, lora_body, memory_body, version_body,
     write_safetensors,
 )
-from tether.weight_sync.object_store import pack_bucket
+from tether.weight_sync.packed import pack_bucket
 from tether.weight_sync.shared_memory import StagingSegment
 
 # The request dataclasses of python/sglang/srt/managers/io_struct.py (sgl-project/sglang main, commit

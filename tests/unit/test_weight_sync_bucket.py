@@ -9,7 +9,7 @@ from tether.config import ConfigError, config_from_dict
 from tether.engine.embedded import EmbeddedEngine, EngineError, all_finite
 from tether.models.tiny import build_char_tokenizer, build_tiny_model
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, iter_buckets, nbytes
-from tether.weight_sync.object_store import pack_bucket, unpack_bucket
+from tether.weight_sync.packed import pack_bucket, unpack_bucket
 
 
 @pytest.fixture(scope="module")

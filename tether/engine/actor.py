@@ -15,7 +15,7 @@ from tether.engine.server import EngineServer
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits
 from tether.run.faults import engine_update_fault
 from tether.weight_sync.base import copy_threads
-from tether.weight_sync.object_store import PackedBucket, unpack_bucket
+from tether.weight_sync.packed import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket
 
 

@@ -183,7 +183,8 @@ class EmbeddedHandler:
         for old in self.groups.values():  # a trainer that sets the transport up again does it for everyone
             old.close()
         self.groups.clear()
-        self.groups[body.group_name] = Receiver(group, self.core.engine.device)
+        # Over gloo (a CPU transport) buckets land in host memory and the engine copies them to its device.
+        self.groups[body.group_name] = Receiver(group, self.core.engine.device if body.backend == "nccl" else "cpu")
 
     def receive_bucket(self, body: UpdateDistributedIn) -> int:
         engine_update_fault()

@@ -62,7 +62,7 @@ from tether.http.server import free_port
 from tether.models.hf import DTYPES
 from tether.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_shapes, save_zero_adapter
 from tether.models.lora_config import LoRAConfig
-from tether.weight_sync.object_store import PackedBucket, unpack_bucket
+from tether.weight_sync.packed import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SegmentReader, SharedBucket, shared_memory_room
 
 BUCKET_FILE = "tether-bucket.safetensors"

@@ -37,7 +37,7 @@ from tether.http.client import sync_client
 from tether.http.guard import DEFAULT_LIMITS, ServerLimits
 from tether.http.server import ThreadedServer, free_port
 from tether.weight_sync.group import DTYPE_NAMES, GroupJoiner
-from tether.weight_sync.object_store import PackedBucket, unpack_bucket
+from tether.weight_sync.packed import PackedBucket, unpack_bucket
 from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the tether package, for the worker extension

@@ -33,12 +33,12 @@ from tether.trainer.model import prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
+from tether.engine.base import node_address
 from tether.engine.backends import ADAPTER, LAYERS, WHOLE, engine_ranks, lora_push
 from tether.errors import EnginesLostInPush
 from tether.weight_sync.base import WeightSender
 from tether.weight_sync.distributed import DistributedSender
 from tether.weight_sync.group import tcp_store
-from tether.weight_sync.object_store import ObjectStoreSender
 
 ENGINE_PROBE_S = 10.0
 """After a failed push, how long an engine actor has to answer before it counts as lost."""
@@ -198,11 +198,11 @@ class TrainActor:
         c = self.cfg.cluster
         bucket_bytes = int(c.weight_sync_bucket_mb * 2**20)
         if c.weight_sync == "distributed":
-            import ray
-
-            return DistributedSender(urls, ray.util.get_node_ip_address(), backend="nccl" if self.device == "cuda" else "gloo",
+            return DistributedSender(urls, node_address(), backend="nccl" if self.device == "cuda" else "gloo",
                                      bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s, device=self.device,
                                      ranks_per_engine=engine_ranks(self.cfg))
+        from tether.weight_sync.object_store import ObjectStoreSender  # Ray's: imported where it is used
+
         return ObjectStoreSender(engines, bucket_bytes=bucket_bytes, timeout_s=c.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:

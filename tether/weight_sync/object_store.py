@@ -14,35 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any, Iterable
 
-import numpy as np
 import ray
 import torch
 
 from tether.cluster import wait
 from tether.weight_sync.base import DEFAULT_BUCKET_BYTES, WeightSender, iter_buckets, nbytes
+from tether.weight_sync.packed import pack_bucket
 from tether.weight_sync.shared_memory import SharedBucket, StagingSegment, bucket_span
 
 log = logging.getLogger(__name__)
-
-PackedBucket = list[tuple[str, torch.dtype, tuple[int, ...], np.ndarray]]
-
-
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> PackedBucket:
-    """(name, dtype, shape, the tensor's bytes as a uint8 array); no copy for contiguous CPU tensors."""
-    return [(name, t.dtype, tuple(t.shape), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            for name, t in bucket]
-
-
-def unpack_bucket(packed: PackedBucket) -> dict[str, torch.Tensor]:
-    """The tensors of a packed bucket, as views of its arrays (read-only shared memory from Ray: read them only)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns once about non-writable arrays
-        return {name: torch.from_numpy(array).view(dtype).reshape(shape) if array.size else torch.empty(shape, dtype=dtype)
-                for name, dtype, shape, array in packed}
-
 
 class ObjectStoreSender(WeightSender):
     def __init__(self, engines: list[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
