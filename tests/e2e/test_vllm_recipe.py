@@ -39,37 +39,23 @@ def test_arithmetic_recipe_learns_with_vllm_engines(arithmetic_sft):
     assert logs and "Application startup complete" in logs[0].read_text()
 
 
-def test_vllm_workers_take_weights_over_the_broadcast_group(arithmetic_sft):
-    """cluster.weight_sync: distributed with vLLM engines: each vLLM worker joins the trainer's group
-    and loads every broadcast bucket itself (tied embedding included); the engine's log-probs equal
-    the trainer's every rollout, so each push landed."""
-    out = arithmetic_sft
-    python = vllm_python_or_skip()
-    run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm_group",
-        f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", f"eval.datasets.0.path={out}/data/eval.jsonl",
-        "eval.interval=null",
-        "engine.backend=vllm", f"engine.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
-        "checkpoint.save_interval=null", "tracking.tensorboard=false")
-    rows = [json.loads(line) for line in (out / "grpo_vllm_group" / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if "mismatch/logprob_abs_diff_max" in r]
-    assert len(trained) == 4 and all(r["weight_sync/broadcast_seconds"] > 0 for r in trained)
-    assert max(r["mismatch/logprob_abs_diff_max"] for r in trained) < 1e-3, [r["mismatch/logprob_abs_diff_max"] for r in trained]
-
-
-def test_a_lora_run_serves_its_adapters_through_vllms_lora_route(arithmetic_sft):
-    """model.lora with vLLM engines (engine.lora_updates: adapter): vLLM serves the policy as a LoRA of
-    the base, each push is the adapters alone (a fraction of the model's bytes), and vLLM's log-probs
-    equal the trainer's every rollout, so each adapter push was loaded and every request named it."""
+def test_a_lora_run_serves_its_adapters_over_the_broadcast_group(arithmetic_sft):
+    """model.lora with vLLM engines (engine.lora_updates: adapter) and cluster.weight_sync: distributed:
+    every vLLM worker joins the trainer's group and receives each push, which is the adapters alone (a
+    fraction of the model's bytes), kept aside and loaded as the LoRA every request names; vLLM's
+    log-probs equal the trainer's every rollout, so each push landed. (Whole-model pushes over the group
+    into vLLM's workers: the contract suite's group test; adapters through shared memory:
+    tests/integration/test_vllm_lora.py.)"""
     out = arithmetic_sft
     python = vllm_python_or_skip()
     run("-m", "tether.cli", "train", "--config", str(RECIPE / "grpo.yaml"), f"output_dir={out}/grpo_vllm_lora",
         f"model.path={out}/sft/hf", f"data.path={out}/data/train.jsonl", f"eval.datasets.0.path={out}/data/eval.jsonl",
         "eval.interval=null", "model.lora.rank=4", "model.lora.alpha=8", "train.lr=2e-3",
-        "engine.backend=vllm", f"engine.python={python}", "rollout.num_rollout=4",
+        "engine.backend=vllm", f"engine.python={python}", "cluster.weight_sync=distributed", "rollout.num_rollout=4",
         "checkpoint.save_interval=null", "tracking.tensorboard=false")
     rows = [json.loads(line) for line in (out / "grpo_vllm_lora" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "mismatch/logprob_abs_diff_max" in r]
-    assert len(trained) == 4
+    assert len(trained) == 4 and all(r["weight_sync/broadcast_seconds"] > 0 for r in trained)
     model_mb = sum(f.stat().st_size for f in (out / "sft" / "hf").glob("*.safetensors")) / 2**20
     assert all(0 < r["weight_sync/megabytes"] < model_mb / 4 for r in trained), (model_mb, [r["weight_sync/megabytes"] for r in trained])
     assert max(r["mismatch/logprob_abs_diff_max"] for r in trained) < 1e-3, [r["mismatch/logprob_abs_diff_max"] for r in trained]

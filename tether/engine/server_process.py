@@ -1,8 +1,10 @@
 """An inference server (vLLM, SGLang) as a child process of its engine actor: started with its own
 Python, logged to a file, waited for with a timeout, and stopped with the actor.
 
-The child gets SIGTERM when the actor dies (Linux parent-death signal), so a killed actor does not
-leave a server holding the bundle's GPU; the server in turn stops the worker processes it started.
+A killed actor must not leave a server holding the bundle's GPU, and a server is several processes
+(vLLM's API server starts an engine core, which starts workers). So the server runs under a small
+reaper (reaper.py) in a session of its own: the reaper gets SIGTERM when the actor dies (Linux
+parent-death signal) and ends the whole process group, as it does when the server exits by itself.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class ServerProcess:
         self._log = open(log_path, "ab")
         self._log.write(f"$ {' '.join(self.command)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(self.command, env={**os.environ, **env}, stdout=self._log,
+        reaped = [sys.executable, "-m", "tether.engine.reaper", "--", *self.command]
+        self.proc = subprocess.Popen(reaped, env={**os.environ, **env}, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
 
     def log_tail(self, lines: int = 25) -> str:
