@@ -48,6 +48,45 @@ def test_an_engine_scores_a_prompt_as_a_direct_forward(tiny_model_dir, temperatu
     assert refused.status_code == 422 and "max_new_tokens: 0 generates nothing" in refused.text
 
 
+def test_score_calls_of_one_turn_go_out_as_one_request(tiny_model_dir):
+    """A rollout's groups call score as they finish together: one request carries them all, each caller
+    gets its own sequences' scores (equal to a direct forward), and a refused request fails every caller."""
+    import asyncio
+
+    from tether.rollout.served import ServedModel
+    from tether.served import ServedModelError
+
+    groups = [[[5, 9, 17, 3, 22], [5, 9, 40, 7]], [[30, 31, 32, 33]], [[8, 9, 10, 11, 12, 13]]]
+    with engine_server(tiny_model_dir) as server:
+        model = ServedModel("teacher", [server.url], 60.0)
+        sent: list[int] = []
+        send = model.router.generate_async
+
+        async def counted(client, payload):
+            sent.append(len(payload["input_ids"]))
+            return await send(client, payload)
+
+        model.router.generate_async = counted  # type: ignore[method-assign]
+
+        async def all_groups():
+            return await asyncio.gather(*(model.score(g, [2] * len(g)) for g in groups))
+
+        scores = asyncio.run(all_groups())
+        assert sent == [4]  # one request for the four sequences of three calls
+        for group, got in zip(groups, scores):
+            for seq, values in zip(group, got):
+                want = direct_logprobs(tiny_model_dir, seq)[1:]
+                assert len(values) == len(seq) - 2 and max(abs(a - b) for a, b in zip(values, want)) < 1e-5
+
+        async def one_bad():  # a token id past the vocabulary: the engine refuses the whole request
+            return await asyncio.gather(model.score([[5, 6, 7]], [1]), model.score([[5, 10**6, 7]], [1]),
+                                        return_exceptions=True)
+
+        results = asyncio.run(one_bad())
+        assert all(isinstance(r, ServedModelError) for r in results), results
+        model.close()
+
+
 def distill_config(model_dir: Path, teacher_dir: Path, data: dict, out: Path, mode: str = "advantage") -> dict:
     raw = tiny_config(model_dir, data, out, eval={"datasets": []}, checkpoint={"save_interval": 100},
                       cluster={"colocate": False}, rollout={"num_rollout": 2})

@@ -29,6 +29,9 @@ from tether.rollout.router import Router
 from tether.served import MODELS, ServedModelError
 
 
+MAX_SCORED = 1024  # sequences in one scoring request
+
+
 class ServedModel:
     """One served model's engines, behind a router (least-loaded first, lost engines taken out)."""
 
@@ -38,6 +41,7 @@ class ServedModel:
         self._sync = sync_client(timeout_s, headers=engine_headers())
         self._async: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._score_queues: dict[asyncio.AbstractEventLoop, list] = {}  # score calls waiting to go out together
 
     @property
     def urls(self) -> list[str]:
@@ -77,24 +81,61 @@ class ServedModel:
     async def score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
         """Each sequence's token log-probs from position ``starts[i]`` on (each token after the ones
         before it, the logits divided by ``temperature``): SGLang's /generate with max_new_tokens 0 and
-        logprob_start_len. Position 0 has no log-prob: a start of at least 1."""
+        logprob_start_len. Position 0 has no log-prob: a start of at least 1.
+
+        Calls made in one turn of the event loop (a rollout's groups, scored as they finish together)
+        go out as one request of up to MAX_SCORED sequences: one HTTP round trip and one forward on the
+        engine instead of one per group."""
         if any(start < 1 for start in starts):
             raise ValueError("score: every start must be >= 1 (the first token has no log-prob)")
-        payload = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True,
-                   "sampling_params": [{"max_new_tokens": 0, "temperature": temperature}] * len(sequences),
-                   "logprob_start_len": list(starts)}
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        queue = self._score_queues.setdefault(loop, [])
+        queue.append(([list(map(int, s)) for s in sequences], list(starts), temperature, future))
+        if len(queue) == 1:
+            loop.create_task(self._flush_scores(loop))
+        return await future
+
+    async def _flush_scores(self, loop: asyncio.AbstractEventLoop) -> None:
+        for _ in range(3):  # let the other calls of this turn join
+            await asyncio.sleep(0)
+        calls = self._score_queues.pop(loop, [])
+        chunks: list[list] = [[]]
+        for call in calls:
+            if chunks[-1] and sum(len(c[0]) for c in chunks[-1]) + len(call[0]) > MAX_SCORED:
+                chunks.append([])
+            chunks[-1].append(call)
+        await asyncio.gather(*(self._score_chunk(chunk) for chunk in chunks))
+
+    async def _score_chunk(self, calls: list) -> None:
+        sequences = [seq for seqs, _, _, _ in calls for seq in seqs]
+        starts = [start for _, sts, _, _ in calls for start in sts]
+        temperatures = [t for seqs, _, t, _ in calls for _ in seqs]
+        payload = {"input_ids": sequences, "return_logprob": True, "logprob_start_len": starts,
+                   "sampling_params": [{"max_new_tokens": 0, "temperature": t} for t in temperatures]}
         try:
-            replies = await self.router.generate_async(self._client(), payload)
-        except httpx.HTTPStatusError as err:
-            raise self._refused("/generate (scoring)", err) from None
-        out = []
-        for seq, start, reply in zip(sequences, starts, replies):
-            entries = reply["meta_info"]["input_token_logprobs"]
-            if [int(e[1]) for e in entries] != list(seq[start:]):
-                raise ServedModelError(f"served model {self.name!r}: its scores are of other tokens than the ones "
-                                       f"sent (from position {start})")
-            out.append([float(e[0]) for e in entries])
-        return out
+            try:
+                replies = await self.router.generate_async(self._client(), payload)
+            except httpx.HTTPStatusError as err:
+                raise self._refused("/generate (scoring)", err) from None
+            scores = [self._checked(seq, start, reply) for seq, start, reply in zip(sequences, starts, replies)]
+        except Exception as err:  # noqa: BLE001 - every caller of the chunk gets the failure
+            for *_, future in calls:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        at = 0
+        for seqs, _, _, future in calls:
+            if not future.done():
+                future.set_result(scores[at:at + len(seqs)])
+            at += len(seqs)
+
+    def _checked(self, seq: list[int], start: int, reply: dict) -> list[float]:
+        entries = reply["meta_info"]["input_token_logprobs"]
+        if [int(e[1]) for e in entries] != list(seq[start:]):
+            raise ServedModelError(f"served model {self.name!r}: its scores are of other tokens than the ones "
+                                   f"sent (from position {start})")
+        return [float(e[0]) for e in entries]
 
     # ------------------------------------------------------------ OpenAI's chat completions
     @staticmethod
