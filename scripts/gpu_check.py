@@ -230,8 +230,10 @@ def diffs(engine: list[list[float]], trainer: list[list[float]]) -> tuple[float,
 
 
 def weights_digest(actor) -> str:
+    from tether.models.lora import merged_tensors
+
     h = hashlib.sha256()
-    for name, tensor in actor._pushed(everything=True):
+    for name, tensor in merged_tensors(actor.model):
         h.update(name.encode())
         h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

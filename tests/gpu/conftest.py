@@ -15,6 +15,34 @@ from tether.models.tiny import build_char_tokenizer, build_tiny_model
 GREEDY = [{"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
 
 
+@pytest.fixture()
+def http(backend):
+    """A client of the module's ``backend`` engine ((url, state_dict, backend name))."""
+    import httpx
+
+    with httpx.Client(base_url=backend[0], timeout=120) as client:
+        yield client
+
+
+def contract_tests(*leave_out: str) -> list[str]:
+    """The engine contract suite's tests (tests/integration/test_engine_contract.py), by name."""
+    import tests.integration.test_engine_contract as contract
+
+    return [name for name in dir(contract) if name.startswith("test_") and name not in leave_out]
+
+
+def run_contract_test(name: str, backend, model_dir: Path) -> None:
+    """One contract test against ``backend`` ((url, state_dict, backend name), the suite's shape)."""
+    import httpx
+
+    import tests.integration.test_engine_contract as contract
+
+    test = getattr(contract, name)
+    wants = test.__code__.co_varnames[: test.__code__.co_argcount]
+    with httpx.Client(base_url=backend[0], timeout=120) as http:
+        test(*[{"http": http, "backend": backend, "vllm_model_dir": model_dir}[arg] for arg in wants])
+
+
 def server_python_or_skip(package: str, env_var: str) -> str:
     """``env_var``'s Python (a virtual environment with ``package``), else this one if it can import it;
     the test is skipped, saying why, without a CUDA GPU or the package."""

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import httpx
 import pytest
 import torch
 
-import tests.integration.test_engine_contract as contract
-from tests.gpu.conftest import rollout_logprob_diffs
+from tests.gpu.conftest import contract_tests, rollout_logprob_diffs, run_contract_test
 
 pytestmark = [pytest.mark.gpu]
 
@@ -39,20 +37,9 @@ def backend(model_dir) -> Iterator[tuple[str, object]]:
         server.stop()
 
 
-@pytest.fixture()
-def http(backend) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=backend[0], timeout=120) as client:
-        yield client
-
-
-CONTRACT = [name for name in dir(contract) if name.startswith("test_")]
-
-
-@pytest.mark.parametrize("name", CONTRACT)
-def test_engine_contract(name, http, backend, model_dir):
-    test = getattr(contract, name)
-    wants = test.__code__.co_varnames[: test.__code__.co_argcount]
-    test(*[{"http": http, "backend": backend, "vllm_model_dir": model_dir}[arg] for arg in wants])
+@pytest.mark.parametrize("name", contract_tests())
+def test_engine_contract(name, backend, model_dir):
+    run_contract_test(name, backend, model_dir)
 
 
 def test_a_short_rollout_matches_an_hf_forward(http, backend, model_dir):

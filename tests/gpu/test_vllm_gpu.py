@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import httpx
 import pytest
 from safetensors.torch import load_file
 
-import tests.integration.test_engine_contract as contract
-from tests.gpu.conftest import push_over_nccl_and_back, rollout_logprob_diffs, server_python_or_skip
+from tests.gpu.conftest import (contract_tests, push_over_nccl_and_back, rollout_logprob_diffs, run_contract_test,
+                               server_python_or_skip)
 from tether.engine.vllm import VllmEngineActor
 
 pytestmark = [pytest.mark.gpu]
@@ -41,20 +40,9 @@ def backend(model_dir) -> Iterator[tuple[str, object]]:
         actor.shutdown()
 
 
-@pytest.fixture()
-def http(backend) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=backend[0], timeout=120) as client:
-        yield client
-
-
-CONTRACT = [name for name in dir(contract) if name.startswith("test_") and name != "test_a_push_over_the_weight_update_group_changes_replies"]
-
-
-@pytest.mark.parametrize("name", CONTRACT)
-def test_engine_contract(name, http, backend, model_dir):
-    test = getattr(contract, name)
-    wants = test.__code__.co_varnames[: test.__code__.co_argcount]
-    test(*[{"http": http, "backend": backend, "vllm_model_dir": model_dir}[arg] for arg in wants])
+@pytest.mark.parametrize("name", contract_tests("test_a_push_over_the_weight_update_group_changes_replies"))
+def test_engine_contract(name, backend, model_dir):
+    run_contract_test(name, backend, model_dir)
 
 
 def test_a_push_over_an_nccl_group_reaches_every_worker(http, backend):
