@@ -67,11 +67,12 @@ def test_filters_keep_the_same_tokens_as_the_sort_based_filter(vocab):
     differ = torch.isfinite(fast) != torch.isfinite(slow)
     if differ.any():
         # Only at a top-p cut-off that float32 rounding places differently: the mass before such a token
-        # (in float64) is within 1e-5 of top_p, where the sort-based filter's float32 cumsum is not exact.
+        # (in float64) is within 5e-5 of top_p, where the sort-based filter's float32 cumsum is not exact
+        # (its rounding error grows with the vocabulary: 1.2e-5 seen at 49,152 on an AMD EPYC).
         for row, token in differ.nonzero().tolist():
             x = logits[row].double()
             before = torch.softmax(x, -1)[x > x[token]].sum().item()
-            assert abs(before - params[row].top_p) < 1e-5, (row, token, before)
+            assert abs(before - params[row].top_p) < 5e-5, (row, token, before)
     if vocab > TOP_P_CANDIDATES:  # the flat rows at top_p 0.999 needed the whole-vocabulary fallback
         assert int(torch.isfinite(fast[7]).sum()) > TOP_P_CANDIDATES
 

@@ -132,6 +132,9 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
         logprobs.append(lp)
         entropies.append(ent)
     if not logprobs:  # no scored position
-        empty = hidden.new_zeros((0,), dtype=torch.float32) + weight.sum() * 0  # keeps the graph connected
+        # Kept connected to the hidden states and the head: under FSDP a rank with nothing to score (an
+        # empty micro-batch) must still run backward through every layer, whose hooks gather parameters
+        # in step with the other ranks.
+        empty = hidden.new_zeros((0,), dtype=torch.float32) + hidden.sum() * 0 + weight.sum() * 0
         return empty, (empty if entropy != "none" else None)
     return torch.cat(logprobs), (torch.cat(entropies) if entropy != "none" else None)

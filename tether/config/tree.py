@@ -158,6 +158,12 @@ class TrainConfig(Section):
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Pack samples without padding into micro-batches of about this many tokens each (replaces
     micro_batch_size), with ranks balanced by tokens (tether/trainer/micro_batches.py). None: off."""
+    share_prompts: bool = True
+    """Samples that begin with the same tokens (a group's prompt) are laid out so those tokens are
+    computed once in every trainer pass (forward, backward, old and reference log-probs), each response
+    attending to the prompt and to itself (tether/trainer/shared_prefix.py); values equal the unshared
+    layout's to float rounding. A group stays on one rank and in one micro-batch where it fits. False:
+    one sample per row (or packed), each with its own copy of the prompt."""
     logits_chunk_mb: float = Field(256.0, ge=0)
     """Log-probs and entropy come from the LM head at response positions only, in chunks of tokens whose
     float32 logits take about this many MB, recomputed in backward (tether/trainer/head.py): memory of one

@@ -34,6 +34,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_PACKS: dict[torch.dtype, bool] = {}
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: bfloat16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, which many AVX2-only CPUs lack (asked once, by packing a small weight)."""
+    if dtype not in _PACKS:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+            _PACKS[dtype] = dtype in PACKABLE_DTYPES
+        except RuntimeError:
+            _PACKS[dtype] = False
+    return _PACKS[dtype]
+
+
 def row_bucket(rows: int) -> int:
     """The row count a packed linear runs at: ``rows`` up to 16, then rounded up to a multiple of an
     eighth of the largest power of two below it (17 -> 18, 100 -> 104, 1000 -> 1024)."""
@@ -73,14 +88,15 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Switch every CPU nn.Linear of a float32/bfloat16 model to PackedLinear; returns how many.
+    """Switch every CPU nn.Linear of a float32/bfloat16 model to PackedLinear (bfloat16 where this CPU
+    packs it); returns how many.
 
     Modules keep their parameters (the class is swapped in place), so weight loading by name,
     state dicts and memory release work as before.
     """
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKABLE_DTYPES:
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and packs(module.weight.dtype):
             module.__class__ = PackedLinear
             count += 1
     return count

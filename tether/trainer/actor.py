@@ -32,6 +32,7 @@ from tether.models.lora import adapter_tensors, has_lora, merged_tensors, traina
 from tether.trainer.model import prepare_for_training, save_hf
 from tether.trainer.optim import build_optimizer, build_scheduler
 from tether.trainer.nonfinite import NonFiniteGuard
+from tether.trainer.shared_prefix import unit_token_limit
 from tether.trainer.step import StepSettings, TrainState, response_logprobs, train_steps
 from tether.engine.base import node_address
 from tether.engine.backends import ADAPTER, LAYERS, WHOLE, engine_ranks, lora_push
@@ -148,6 +149,8 @@ class TrainActor:
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
             logits_chunk_mb=self.cfg.train.logits_chunk_mb,
             teacher_advantage_coef=t.coef if t is not None and t.mode == "advantage" else 0.0,
+            share_prompts=self.cfg.train.share_prompts,
+            max_unit_tokens=unit_token_limit(self.model),
         )
 
     def state(self) -> TrainState:

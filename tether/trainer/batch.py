@@ -125,14 +125,42 @@ class MicroBatch:
     scored: torch.Tensor | None = None
     """[B, L-1] bool, True at every response position (loss-masked ones too): where log-probs are computed.
     None: everywhere."""
+    hidden_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, columns) [N] of the hidden state that predicts each output position, when outputs are one
+    flat row [1, N] of response predictions rather than the next column of each input row (the shared
+    prompt layout, trainer/shared_prefix.py: several samples' first tokens are predicted from one
+    position). ``targets`` and the other [B, L-1] tensors are then [1, N]. None: position j predicts j+1."""
+    attention_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    """[B, L] unit and segment of each token, from which trainer/shared_prefix.py builds the 4-D mask
+    for the model's attention (with ``hidden_index``). None: ``attention_mask`` or packed positions."""
 
     @property
     def num_tokens(self) -> float:
         return float(self.response_mask.sum())
 
+    def prediction_index(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(rows, columns) into the [B, L] hidden states of every scored prediction, and where each goes
+        in the output ([B, L-1], or [1, N] with ``hidden_index``)."""
+        if self.hidden_index is not None:
+            rows, cols = self.hidden_index
+            return rows, cols, (torch.zeros_like(rows), torch.arange(len(rows), device=rows.device))
+        scored = self.scored if self.scored is not None else torch.ones_like(self.targets, dtype=torch.bool)
+        rows, cols = scored.nonzero(as_tuple=True)
+        return rows, cols, (rows, cols)
 
-def _fill_response(mb_rows: tuple[torch.Tensor, ...], batch: TrainBatch, i: int, local: int,
+    def at_predictions(self, per_position: torch.Tensor) -> torch.Tensor:
+        """A [B, L, ...] per-position tensor (logits, values) at the output layout: [B, L-1, ...], or the
+        hidden states that predict each output ([1, N, ...]) with ``hidden_index``."""
+        if self.hidden_index is None:
+            return per_position[:, :-1]
+        rows, cols = self.hidden_index
+        return per_position[rows.to(per_position.device), cols.to(per_position.device)][None]
+
+
+def fill_response_values(mb_rows: tuple[torch.Tensor, ...], batch: TrainBatch, i: int, local: int,
                    row: int, start: int) -> None:
+    """Sample i's response values (mask, engine log-probs, ``local`` sequence number, scored) into the
+    output tensors ``mb_rows`` at ``row``, from column ``start`` on."""
     response_mask, rollout_lp, seq_index, scored = mb_rows
     r = batch.response_lengths[i]
     scored[row, start : start + r] = True
@@ -160,7 +188,7 @@ def collate(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroBatch:
         input_ids[row, : len(toks)] = torch.tensor(toks)
         attention[row, : len(toks)] = 1
         # Response token k (absolute position p + k) is predicted by the logits at position p + k - 1.
-        _fill_response(rows, batch, i, row, row, p - 1)
+        fill_response_values(rows, batch, i, row, row, p - 1)
         spans.append((row, p - 1))
     return MicroBatch(input_ids, attention, input_ids[:, 1:], rows[0], rows[1], list(indices), spans, rows[2],
                       scored=rows[3])
@@ -202,7 +230,7 @@ def collate_packed(batch: TrainBatch, indices: list[int], pad_id: int) -> MicroB
         input_ids[row, offset : offset + len(toks)] = torch.tensor(toks)
         positions[row, offset : offset + len(toks)] = torch.arange(len(toks))
         # The last token of a sample "predicts" the next sample's first: masked out, never a response.
-        _fill_response(rows, batch, i, local, row, offset + batch.prompt_lengths[i] - 1)
+        fill_response_values(rows, batch, i, local, row, offset + batch.prompt_lengths[i] - 1)
         spans.append((row, offset + batch.prompt_lengths[i] - 1))
         offsets[row] += len(toks)
     for row, used in enumerate(offsets):

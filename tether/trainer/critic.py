@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, PreTrained
 from tether.algorithms.aggregation import GlobalCounts, aggregation_weights
 from tether.algorithms.losses import value_loss
 from tether.trainer.batch import MicroBatch, TrainBatch
+from tether.trainer.head import model_inputs
 from tether.config import TetherConfig
 from tether.models.hf import DTYPES
 from tether.trainer.model import prepare_for_training
@@ -48,10 +49,9 @@ class Critic:
         self.grad_clip = cfg.critic.grad_clip
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """[B, L-1]: V at each position that scores a next token."""
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                         use_cache=False)
-        return out.logits[..., 0][:, :-1].float()
+        """V at each position that scores a next token, in the micro-batch's output layout ([B, L-1] or [1, N])."""
+        out = self.model(**model_inputs(self.model, mb))
+        return mb.at_predictions(out.logits[..., 0]).float()
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, steps: list[list[int]], s: StepSettings) -> dict[int, torch.Tensor]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from tether.algorithms.logprobs import head_logprobs, logprobs_and_entropy
+from tether.trainer import shared_prefix
 from tether.trainer.batch import MicroBatch
 
 if TYPE_CHECKING:
@@ -68,30 +69,30 @@ def _head_transforms_off(model: PreTrainedModel) -> Iterator[tuple[float | None,
             model.logit_scale = logit_scale
 
 
-def _model_inputs(mb: MicroBatch) -> dict:
-    return dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False)
+def model_inputs(model: PreTrainedModel, mb: MicroBatch) -> dict:
+    """The forward's keyword arguments: ids, positions, and the 2-D mask or the shared layout's 4-D one."""
+    mask = mb.attention_mask if mb.attention_layout is None else shared_prefix.attention_mask(model, mb)
+    return dict(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
 
 
 def chunked_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy: str,
                     tokens_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, L-1] log-probs (and entropies) at the micro-batch's scored positions (0 elsewhere)."""
     head = model.get_output_embeddings()
-    scored = mb.scored if mb.scored is not None else torch.ones_like(mb.targets, dtype=torch.bool)
-    rows, cols = scored.nonzero(as_tuple=True)
+    rows, cols, at = mb.prediction_index()
 
     def scored_head(hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden[:, :-1][rows, cols]  # [N, H]
-        lp, ent = head_logprobs(h, head.weight, mb.targets[rows, cols], temperature, bias=head.bias,
+        h = hidden[rows.to(hidden.device), cols.to(hidden.device)]  # [N, H]
+        lp, ent = head_logprobs(h, head.weight, mb.targets[at].to(hidden.device), temperature, bias=head.bias,
                                 chunk_tokens=tokens_per_chunk, entropy=entropy, softcap=softcap, scale=scale)
         out = torch.zeros((*mb.targets.shape, 2), dtype=torch.float32, device=hidden.device)
         values = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)], dim=-1)
-        return out.index_put((rows, cols), values)  # stands in for the logits in the model's output
+        return out.index_put(at, values)  # stands in for the logits in the model's output
 
     with _head_transforms_off(model) as (softcap, scale):
         head.forward = scored_head
         try:
-            out = model(**_model_inputs(mb)).logits
+            out = model(**model_inputs(model, mb)).logits
         finally:
             del head.forward
     ent = None if entropy == "none" else out[..., 1] if entropy == "grad" else out[..., 1].detach()
@@ -101,7 +102,8 @@ def chunked_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float, 
 def plain_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float,
                   entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole [B, L, V] logits at once (the reference the chunked path is checked against)."""
-    return logprobs_and_entropy(model(**_model_inputs(mb)).logits[:, :-1], mb.targets, temperature, entropy)
+    logits = mb.at_predictions(model(**model_inputs(model, mb)).logits)
+    return logprobs_and_entropy(logits, mb.targets.to(logits.device), temperature, entropy)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from tether.algorithms.names import TOKEN_LEVEL
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.models.lora import adapters_disabled
 from tether.trainer.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
-from tether.trainer import mismatch
+from tether.trainer import mismatch, shared_prefix
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 from tether.trainer.nonfinite import NonFiniteGuard, check_weights
@@ -62,22 +62,71 @@ class StepSettings:
     only (trainer/head.py); 0: the model's whole logits at once."""
     teacher_advantage_coef: float = 0.0
     """teacher.mode advantage: the weight of (teacher - rollout log-prob) in each token's advantage."""
+    share_prompts: bool = False
+    """Samples that begin alike (a group's prompt) laid out so the common tokens are computed once
+    (trainer/shared_prefix.py); a group stays on one rank and in one micro-batch where it fits."""
+    max_unit_tokens: int | None = None
+    """With share_prompts: the most tokens one group's row may take (a larger group is split, each part
+    sharing the prompt), since dense attention costs a row's width squared; None: no limit."""
 
 
 def assign_ranks(batch: TrainBatch, global_idx: list[int], s: StepSettings, rank: int, world: int) -> list[int]:
-    """This rank's samples of one optimizer step: balanced by tokens when packing, else strided."""
+    """This rank's samples of one optimizer step: whole groups balanced by tokens when sharing prompts,
+    balanced by tokens when packing, else strided."""
+    if s.share_prompts:
+        units = shared_prefix.split_to(_units(batch, global_idx, s), batch, world)
+        parts = balance_by_tokens(list(range(len(units))), [u.length(batch) for u in units], world)[rank]
+        return sorted(i for u in parts for i in units[u].members)
     if s.max_tokens_per_micro_batch is None:
         return global_idx[rank::world]
     return balance_by_tokens(global_idx, [len(t) for t in batch.tokens], world)[rank]
 
 
+def _units(batch: TrainBatch, indices: list[int], s: StepSettings) -> list[shared_prefix.Unit]:
+    budget = s.max_tokens_per_micro_batch
+    cap = min(budget, s.max_unit_tokens or budget) if budget is not None else s.max_unit_tokens
+    return shared_prefix.plan_units(batch, indices, s.micro_batch_size if budget is None else None, cap)
+
+
 def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[MicroBatch]:
-    """This rank's micro-batches over ``mine``; with packing, as many as the busiest rank needs."""
+    """This rank's micro-batches over ``mine``; with packing or shared prompts, as many as the busiest
+    rank needs."""
+    if s.share_prompts:
+        return _shared_micro_batches(batch, mine, s)
     if s.max_tokens_per_micro_batch is None:
         return [collate(batch, chunk, s.pad_id) for chunk in split_micro_batches(mine, s.micro_batch_size)]
     lengths = [len(t) for t in batch.tokens]
     count = int(all_reduce_max(float(count_by_budget(mine, lengths, s.max_tokens_per_micro_batch))))
     return [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
+
+
+def _shared_micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[MicroBatch]:
+    """Whole units per micro-batch: up to micro_batch_size samples, or about max_tokens_per_micro_batch
+    tokens; a micro-batch with nothing shared takes the plain layout."""
+    units = _units(batch, mine, s)
+    lengths = [u.length(batch) for u in units]
+    plan: list[list[int]] = []
+    if s.max_tokens_per_micro_batch is None:
+        for u, unit in enumerate(units):
+            if not plan or sum(len(units[v].members) for v in plan[-1]) + len(unit.members) > s.micro_batch_size:
+                plan.append([])
+            plan[-1].append(u)
+    elif units:
+        plan = balance_by_tokens(list(range(len(units))), lengths,
+                                 count_by_budget(list(range(len(units))), lengths, s.max_tokens_per_micro_batch))
+    # FSDP runs collectives in every forward and backward: every rank runs the busiest rank's count.
+    plan += [[] for _ in range(int(all_reduce_max(float(len(plan)))) - len(plan))]
+    out = []
+    for chunk in plan:
+        picked = [units[u] for u in chunk]
+        samples = [i for unit in picked for i in unit.members]
+        if shared_prefix.shares_anything(picked):
+            out.append(shared_prefix.collate_shared(batch, picked, s.pad_id))
+        elif s.max_tokens_per_micro_batch is None and samples:
+            out.append(collate(batch, samples, s.pad_id))
+        else:
+            out.append(collate_packed(batch, samples, s.pad_id))  # an empty one runs as a no-op
+    return out
 
 
 def forward_logprobs(model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy: str = "none",
