@@ -30,6 +30,9 @@ class Trainer(Protocol):
 class Rollout(Protocol):
     def generate(self, rollout_id: int) -> tuple[Any, dict[str, float]]: ...
     def eval(self, rollout_id: int) -> dict[str, float]: ...
+    def prepare_data(self) -> dict:
+        """Before the first rollout of a run (data.difficulty's probe); its metrics."""
+        ...
     def save_state(self, ckpt_dir: str) -> None: ...
     def offload(self, tags: list[str]) -> None: ...
     def onload(self, tags: list[str]) -> None: ...
@@ -125,6 +128,9 @@ def begin(plan: LoopPlan, trainer: Trainer, rollout: Rollout, tracker: Tracker, 
     if startup is not None:
         startup.lap("first weight push")
     if plan.start == 0:
+        # What the data's difficulty needs measured with the starting policy (a resumed run has it in
+        # its checkpoint's data state).
+        merge(first, rollout.prepare_data())
         if plan.has_eval and plan.eval_interval is not None:
             # The baseline: how the starting policy scores (step 0, before any update). A resumed
             # run does not repeat it: its baseline is already in the metrics file.

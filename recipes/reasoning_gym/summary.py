@@ -62,6 +62,26 @@ def main(run_dir: str) -> None:
     a = sum(y for _, y in gains) / len(gains)
     print(f"mean over {len(tasks)} tasks: {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points), "
           f"step {first['step']} -> {last['step']}")
+    difficulty(run, rows)
+
+
+def difficulty(run: Path, rows: list[dict]) -> None:
+    """What data.difficulty kept, per task and level, with the pass rates measured (difficulty/summary.json,
+    as of the last checkpoint), and each task's level over the run."""
+    path = run / "difficulty" / "summary.json"
+    if not path.is_file():
+        return
+    print("data.difficulty (pass rates: the probe's before the run, then the trained groups'):")
+    for row in json.loads(path.read_text()):
+        rate = f"pass rate {100 * row['pass_rate']:.0f}% over {row['measured']}" if row["measured"] else "not measured"
+        current = " <- level at the end" if row.get("current") else ""
+        print(f"  {row['task'] or 'data'} level {row['level']}: {row['in_band']} of {row['problems']} problems in "
+              f"the band, {rate} ({row['never']} never solved, {row['always']} always){current}")
+    levels = sorted({k for r in rows for k in r if k.startswith("data/level/")})
+    for key in levels:
+        path_ = [int(r[key]) for r in rows if key in r]
+        changes = [f"{lv}" for i, lv in enumerate(path_) if i == 0 or lv != path_[i - 1]]
+        print(f"  {key.removeprefix('data/level/')}: levels {' -> '.join(changes)}")
 
 
 if __name__ == "__main__":

@@ -312,3 +312,37 @@ def test_router_spreads_and_health_checks(server, tiny_model_dir):
             router.generate(payload)
     finally:
         router.close()
+
+
+def test_health_answers_while_every_request_thread_waits(tiny_model_dir, monkeypatch):
+    """Generations wait on their futures in the server's thread pool; an eval of hundreds of problems can
+    hold every thread. /health, /get_load and /health_generate answer on the event loop regardless, the
+    probe ahead of the queue: here two threads, six slow generations, one running at a time."""
+    import tether.engine.server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_CONCURRENT_REQUESTS", 2)
+    with engine_server(tiny_model_dir, max_batch=1) as srv:
+        core = srv.core
+        step = core._step
+
+        def slow_step():  # a slow engine: each request takes ~3 s of steps
+            time.sleep(0.1)
+            step()
+
+        monkeypatch.setattr(core, "_step", slow_step)
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 30, "temperature": 0.0,
+                                                             "ignore_eos": True}}
+        workers = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/generate", json=body, timeout=120))
+                   for _ in range(6)]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 30
+        while core.load()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        for route in ("/health", "/get_load", "/health_generate"):
+            assert httpx.get(f"{srv.url}{route}", timeout=30).status_code == 200, route
+        assert time.monotonic() - start < 3.0  # not behind the 3 s generations holding the threads
+        assert core.load()["waiting"] + core.load()["running"] > 0  # they were still there
+        for w in workers:
+            w.join(timeout=120)

@@ -446,3 +446,59 @@ def test_generate_after_resume_without_reload_raises(engine, prompts):
     engine.resume_memory(["weights"])
     with pytest.raises(EngineError):
         _generate(engine, _requests(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2)), seed=0)
+
+
+# --------------------------------------------------------------------------- #
+# admission: a step's prefill is bounded, and health probes go first
+# --------------------------------------------------------------------------- #
+
+
+def test_a_step_prefills_what_its_budget_holds_and_a_groups_prompt_counts_once(engine):
+    core = EngineCore(engine, engine.tokenizer, max_batch=64)
+    core.pause()  # the worker holds while the queue fills
+    try:
+        prompts = [[5 + i] * 6 for i in range(6)]
+        core.prefill_budget = 2 * 6  # two distinct prompts of 6 tokens a step (too few tokens to re-measure)
+        params = SamplingParams(temperature=0.0, max_new_tokens=2)
+        distinct = core.submit_many([(p, params, None) for p in prompts])
+        group = core.submit_many([([3] * 6, params, None)] * 8)  # one prompt, eight samples: one row
+        core.resume()
+        assert all(len(r.future.result(timeout=60).output_ids) == 2 for r in distinct + group)
+        # steps that admitted: 2 + 2 + 2 distinct prompts, then the group's eight together
+        assert core.stats["prefills"] == 4, core.stats
+        assert core.prefill_budget == 12
+    finally:
+        core.shutdown()
+
+
+def test_a_health_probe_is_admitted_ahead_of_a_full_queue(engine, prompts):
+    core = EngineCore(engine, engine.tokenizer, max_batch=2)
+    core.pause()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        queued = core.submit_many([(p, params, None) for p in prompts * 4])
+        probe = core.submit_many([(prompts[0], SamplingParams(temperature=0.0, max_new_tokens=1), None)],
+                                 probe=True)[0]
+        assert core._waiting[0] is probe  # ahead of the 24 waiting
+        core.resume()
+        probe.future.result(timeout=60)
+        # answered after one step: the queue (two at a time, eight tokens each) is far from done
+        assert sum(r.future.done() for r in queued) <= 2
+        assert all(len(r.future.result(timeout=60).output_ids) == 8 for r in queued)
+    finally:
+        core.shutdown()
+
+
+def test_the_prefill_budget_follows_the_measured_rate(engine):
+    core = EngineCore(engine, engine.tokenizer)
+    try:
+        assert core.prefill_budget == 4096
+        core._measure_prefill(4096, 10.0)  # 410 tokens/s: 3 s of it is 1228, halfway there
+        assert core.prefill_budget == (4096 + 1228) // 2
+        for _ in range(20):
+            core._measure_prefill(100_000, 1.0)  # fast: capped by the KV budget
+        assert core.prefill_budget == core.max_batch_tokens
+        core._measure_prefill(100, 10.0)  # too small a prefill to measure
+        assert core.prefill_budget == core.max_batch_tokens
+    finally:
+        core.shutdown()

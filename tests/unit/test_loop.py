@@ -43,6 +43,10 @@ class FakeRollout:
         self.calls.append(("rollout.eval", rollout_id))
         return {"eval/add/score": 0.25}
 
+    def prepare_data(self):
+        self.calls.append(("rollout.prepare_data",))
+        return {"difficulty/probe_problems": 3.0}
+
     def save_state(self, ckpt_dir):
         self.calls.append(("rollout.save_state", ckpt_dir))
 
@@ -105,7 +109,7 @@ def _save(k):
 
 def test_call_order_without_offload():
     calls, tracker, progress = _run(_plan())
-    expected = [("trainer.push_weights", 0), ("rollout.eval", 0), ("tracker.log", 0)]
+    expected = [("trainer.push_weights", 0), ("rollout.prepare_data",), ("rollout.eval", 0), ("tracker.log", 0)]
     for k in range(4):
         expected += [("rollout.generate", k), ("trainer.train", k, f"batch{k}")]
         if k in (1, 3):  # epoch ends
@@ -149,7 +153,7 @@ def test_call_order_with_offload():
         return [("trainer.offload",), ("rollout.onload", [W]), ("trainer.push_weights", version),
                 ("rollout.onload", [KV])]
 
-    expected = sync(0) + [("rollout.eval", 0), ("tracker.log", 0)]
+    expected = sync(0) + [("rollout.prepare_data",), ("rollout.eval", 0), ("tracker.log", 0)]
     for k in range(4):
         expected += [("rollout.generate", k), ("rollout.offload", [W, KV]), ("trainer.onload",),
                      ("trainer.train", k, f"batch{k}")]
@@ -254,7 +258,8 @@ def test_startup_is_timed_through_the_first_push_and_eval_then_printed_once(star
              startup=FakeStartup(calls))
     head = calls[:calls.index(("rollout.generate", start))]
     if start == 0:
-        assert head == [("trainer.push_weights", 0), ("startup.lap", "first weight push"), ("rollout.eval", 0),
+        assert head == [("trainer.push_weights", 0), ("startup.lap", "first weight push"), ("rollout.prepare_data",),
+                        ("rollout.eval", 0),
                         ("startup.lap", "eval at step 0"), ("startup.report",), ("tracker.log", 0)]
         assert tracker.logged[0][1]["startup/total_s"] == 1.0
     else:  # a resumed run has no baseline eval to time

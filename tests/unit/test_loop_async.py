@@ -61,7 +61,7 @@ def run(plan):
 def test_the_next_rollout_generates_during_the_train_step_one_version_behind():
     plan = _plan(num_rollout=5, num_rollout_per_epoch=100, eval_interval=None, has_eval=False)
     calls, tracker = run(plan)
-    expected = [("trainer.push_weights", 0), ("tracker.log", 0), ("rollout.generate", 0)]
+    expected = [("trainer.push_weights", 0), ("rollout.prepare_data",), ("tracker.log", 0), ("rollout.generate", 0)]
     for k in range(5):
         if k + 1 < 5:
             expected += [("rollout.submit_generate", k + 1)]
@@ -222,7 +222,8 @@ def test_fully_async_takes_trains_and_pushes_while_paused_without_draining():
     plan = _plan(num_rollout=4, num_rollout_per_epoch=100, save_interval=2, eval_interval=2)
     run_fully_async(plan, PausedOnlyTrainer(calls, rollout), rollout, FakeCheckpointer(calls), tracker,
                     progress=FakeProgress())
-    expected = [("trainer.push_weights", 0), ("rollout.eval", 0), ("tracker.log", 0), ("rollout.start_stream", 0, 0)]
+    expected = [("trainer.push_weights", 0), ("rollout.prepare_data",), ("rollout.eval", 0), ("tracker.log", 0),
+                ("rollout.start_stream", 0, 0)]
     for k in range(4):
         expected += [("rollout.take", k), ("trainer.train", k, f"batch{k}")]
         if k in (1, 3):  # the checkpoint does not stop the stream: its state is saved as it is

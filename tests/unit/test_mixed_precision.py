@@ -79,3 +79,18 @@ def test_bfloat16_training_on_cpu_uses_the_eager_attention_kernel(model_dir, mes
     assert kernel(cfg(compute_dtype="bfloat16")) == "eager"
     assert kernel(cfg(compute_dtype="bfloat16"), backward=False) == "sdpa"
     assert kernel(cfg()) == "sdpa"
+
+
+def test_bfloat16_on_a_cpu_without_bfloat16_units_is_warned_about(monkeypatch):
+    from tether.config import config_from_dict
+    from tether.run.preflight import bfloat16_without_units
+
+    cfg = config_from_dict({"model": {"path": "m"}, "train": {"compute_dtype": "bfloat16"}})
+    for module_fn in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, module_fn, lambda: False)
+    assert "train.compute_dtype=bfloat16" in bfloat16_without_units(cfg)
+    assert bfloat16_without_units(config_from_dict({"model": {"path": "m"}})) is None  # float32: nothing to say
+    on_gpu = config_from_dict({"model": {"path": "m", "dtype": "bfloat16"}, "cluster": {"gpus_per_bundle": 1}})
+    assert bfloat16_without_units(on_gpu) is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert bfloat16_without_units(cfg) is None  # a CPU with AMX: bfloat16 is the fast one

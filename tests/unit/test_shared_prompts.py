@@ -63,7 +63,7 @@ def settings(n: int, **kw) -> StepSettings:
 
 def assert_same_logprobs(model, batch: TrainBatch, atol: float = 2e-6, **kw) -> None:
     everyone = [list(range(len(batch)))]
-    want = response_logprobs(model, batch, everyone, settings(len(batch)))
+    want = response_logprobs(model, batch, everyone, settings(len(batch), device=kw.get("device", "cpu")))
     got = response_logprobs(model, batch, everyone, settings(len(batch), share_prompts=True, **kw))
     assert sorted(got) == sorted(want)
     for i in want:
@@ -86,7 +86,7 @@ def step_delta(model, batch: TrainBatch, **kw) -> tuple[torch.Tensor, dict]:
 
 
 def assert_same_step(model, batch: TrainBatch, **kw) -> None:
-    want, want_m = step_delta(model, batch, **kw)
+    want, want_m = step_delta(model, batch, **kw)  # kw: the step's settings, the same both ways
     got, got_m = step_delta(model, batch, share_prompts=True, **kw)
     assert want.abs().max() > 0
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-4), float((got - want).abs().max())

@@ -105,7 +105,7 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
     softcap)`` when given (Gemma 2/3). Each chunk's [chunk, V] logits exist only while that chunk is
     computed: with autograd on, a chunk is checkpointed, so backward recomputes its logits instead of
     keeping them (the memory of one chunk, not of N x V). Values and gradients equal those of the
-    whole [N, V] at once up to float summation order.
+    whole [N, V] at once up to float summation order. (One chunk in all keeps its logits instead.)
 
     entropy: "grad" (differentiable), "metric" (computed without a graph), "none".
     Returns float32 [N] log-probs and [N] entropies (None for "none").
@@ -121,7 +121,10 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
         lp, ent = logprobs_and_entropy(logits, t, temperature, entropy)
         return lp, ent if ent is not None else lp.new_zeros(())  # checkpoint returns tensors only
 
-    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    # One chunk is the whole input: keeping its logits for backward costs the memory of one chunk, as
+    # recomputing them would, so only several chunks are checkpointed (one less head pass in backward).
+    checkpointed = (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+                    and hidden.shape[0] > max(1, chunk_tokens))
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], max(1, chunk_tokens)):
         args = (hidden[start : start + chunk_tokens], weight, bias, targets[start : start + chunk_tokens])

@@ -22,6 +22,7 @@ from tether.config.raw import apply_overrides, resolve_function_specs
 from tether.models.lora_config import LoRAConfig
 from tether.engine.config import (EmbeddedEngineConfig, EngineConfig, ExternalEnginesConfig, ServedModelConfig,
                                   ServerConfig, SglangConfig, VllmConfig)
+from tether.rollout.difficulty_config import DifficultyConfig
 from tether.rollout.reasoning_gym_config import ReasoningGymData, ReasoningGymEval, check_eval_sources
 from tether.rollout.config import RolloutConfig
 from tether.errors import ConfigError
@@ -131,6 +132,10 @@ class DataConfig(Section):
     """Skip a malformed row (bad JSON, missing or ill-typed fields, an empty prompt, one the model's
     positions cannot hold with the response, a label the reward cannot score) and count it, instead of
     stopping before the run starts with its file and line. Applies to the eval datasets too."""
+    difficulty: DifficultyConfig | None = None
+    """Train where the model has signal: problems' pass rates measured before the run and a band of
+    them kept, and a curriculum over difficulty levels (tether/rollout/difficulty_config.py). None: every
+    problem, in the data's order."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -146,6 +151,10 @@ class DataConfig(Section):
     def _one_source(self) -> DataConfig:
         if self.path is not None and self.reasoning_gym is not None:
             raise ValueError("give data.path or data.reasoning_gym, not both")
+        curriculum = self.difficulty is not None and self.difficulty.curriculum is not None
+        if curriculum and self.reasoning_gym is not None and self.reasoning_gym.levels is None:
+            raise ValueError("difficulty.curriculum draws problems by level: set data.reasoning_gym.levels "
+                             "(how many of each task's levels to generate)")
         return self
 
 
@@ -164,6 +173,10 @@ class TrainConfig(Section):
     attending to the prompt and to itself (tether/trainer/shared_prefix.py); values equal the unshared
     layout's to float rounding. A group stays on one rank and in one micro-batch where it fits. False:
     one sample per row (or packed), each with its own copy of the prompt."""
+    attention: Literal["auto", "sdpa", "eager", "flex_attention"] = "auto"
+    """The trainer's attention implementation (transformers' attn_implementation). auto: SDPA, and eager
+    attention for bfloat16 training on CPU (faster there). flex_attention skips the masked blocks of
+    share_prompts' layout (on GPUs; it compiles its kernels on first use, about a minute on a CPU)."""
     logits_chunk_mb: float = Field(256.0, ge=0)
     """Log-probs and entropy come from the LM head at response positions only, in chunks of tokens whose
     float32 logits take about this many MB, recomputed in backward (tether/trainer/head.py): memory of one
@@ -442,6 +455,10 @@ class TetherConfig(Section):
                                    "groups with the oldest weights first"),
             "deterministic": (self.deterministic, "which groups a take gets depends on when they finish, "
                               "against the trainer's pace"),
+            "data.difficulty": (self.data.difficulty is not None and "set", "the stream draws prompts in the "
+                                "data's own order; the band and the curriculum draw from the pass rates and "
+                                "levels of rollouts as they are trained, which the synchronous and one-step-off "
+                                "schedules keep in step"),
         }
         named = [f"{name}={value} ({why})" for name, (value, why) in reasons.items() if value]
         if named:

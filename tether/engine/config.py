@@ -37,8 +37,9 @@ class EmbeddedEngineConfig(PlacedEngine):
     max_generate_batch: int = Field(256, ge=1)
     """Most sequences an engine decodes at once."""
     max_batch_tokens: int = Field(1 << 16, ge=1)
-    """An engine's KV-cache budget in tokens (prompt + max new tokens of every running request);
-    requests beyond it wait their turn."""
+    """An engine's KV-cache budget in tokens: running requests times the widest one's prompt + max new
+    tokens (the embedded engine pads every row of its batch to the widest); requests beyond it wait
+    their turn."""
     prefix_cache_tokens: int = Field(8192, ge=0)
     """Tokens of KV an engine keeps from finished requests so later ones that repeat a prefix (the
     next turn of a conversation, a shared system prompt) skip recomputing it; flushed whenever the

@@ -2,9 +2,11 @@
 
 Requests from any number of clients (HTTP handlers, the rollout manager) are queued. Before every
 decode step the worker admits the oldest waiting requests whose KV-cache need fits next to the
-running ones (``max_batch_tokens`` bounds the sum of prompt + max new tokens), so requests join and
-leave the running batch continuously (see batcher.py). A request that waits is never refused for
-lack of room; only one that could never fit is.
+running ones (``max_batch_tokens`` bounds the rows times the widest row's prompt + max new tokens:
+the running batch pads every row to the widest, batcher.py), as many as one step's prefill budget
+holds, so requests join and leave the running batch continuously and a long prompt among short ones
+cannot make every row as wide as itself. A request that waits is never refused for lack of room;
+only one that could never fit is.
 
 One thread owns the model: weight updates and memory release/resume are queued to the worker and
 run between two decode steps, so pause, abort and weight updates act within one step of a running
@@ -50,10 +52,19 @@ class Request:
     """Streaming: called on the worker thread after each step with the tokens (and log-probs) the
     request gained in it, while it runs; the finished output still comes through ``future``."""
     streamed: int = 0  # tokens already handed to on_tokens
+    probe: bool = False
+    """A health probe (/health_generate): admitted at the next step, ahead of every waiting request and
+    whatever the running batch holds, so it answers within a step however long the queue is."""
 
     @property
     def kv_tokens(self) -> int:
         return len(self.input_ids) + self.params.max_new_tokens
+
+
+PREFILL_STEP_S = 3.0
+"""What one step's prefill of newcomers should take: the rest wait for the next steps (chunked by
+requests), so that no step runs for minutes while the running batch and health probes wait. The
+prompts a step admits are sized by the prefill throughput measured so far."""
 
 
 class EngineCore:
@@ -63,6 +74,9 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
+        # Padded prompt tokens (distinct prompts x the longest) one step may prefill; follows the
+        # measured prefill rate (PREFILL_STEP_S), from a start that any model clears in seconds on a GPU.
+        self.prefill_budget = 4096
         self.vocab_size = engine.model.get_input_embeddings().num_embeddings
         # Positions past this are outside what the model was built for (RoPE tables, learned positions).
         self.max_positions = getattr(engine.model.config, "max_position_embeddings", None)
@@ -73,7 +87,6 @@ class EngineCore:
         self.batcher = ContinuousBatcher(engine.model, engine.eos_ids, engine.pad_id, self._decode, self.prefix_cache)
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # admitted, in the running batch
-        self._reserved = 0  # KV tokens promised to running requests (prompt + max_new_tokens each)
         self._aborted: set[str] = set()
         self._streams: set[str] = set()  # rids of streaming requests not finished yet
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # model work from other threads
@@ -90,16 +103,18 @@ class EngineCore:
         return self.submit_many([(input_ids, params, rid)])[0]
 
     def submit_many(self, items: list[tuple[list[int], SamplingParams, str | None]],
-                    on_tokens: Callable[[list[int], list[float]], None] | None = None) -> list[Request]:
-        """Queue several requests at once: they are admitted together (one prefill), in order.
-        ``on_tokens``: stream the tokens of a single request as they come (Request.on_tokens)."""
+                    on_tokens: Callable[[list[int], list[float]], None] | None = None,
+                    probe: bool = False) -> list[Request]:
+        """Queue several requests at once: they are admitted in order, together when the step's prefill
+        budget holds them. ``on_tokens``: stream the tokens of a single request as they come
+        (Request.on_tokens). ``probe``: health probes, admitted first (Request.probe)."""
         if on_tokens is not None and len(items) != 1:
             raise ValueError(f"streaming takes one request at a time, got {len(items)}")
         reqs = []
         for input_ids, params, rid in items:
             if not input_ids:
                 raise ValueError("input_ids is empty: generation needs at least one prompt token")
-            req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}", on_tokens=on_tokens)
+            req = Request(list(input_ids), params, rid or f"req-{next(self._ids)}", on_tokens=on_tokens, probe=probe)
             bad = next((i for i, t in enumerate(req.input_ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"request {req.rid}: input_ids[{bad}] = {req.input_ids[bad]} is outside the "
@@ -114,7 +129,10 @@ class EngineCore:
                 self._streams.add(req.rid)
                 req.future.add_done_callback(functools.partial(self._stream_done, req.rid))
         with self._cond:
-            self._waiting.extend(reqs)
+            if probe:
+                self._waiting.extendleft(reversed(reqs))
+            else:
+                self._waiting.extend(reqs)
             self.stats["requests"] += len(reqs)
             self._cond.notify()
         return reqs
@@ -216,19 +234,42 @@ class EngineCore:
 
     # ------------------------------------------------------------ worker side
     def _admit(self) -> list[Request]:
-        """Waiting requests that fit next to the running ones (oldest first)."""
+        """Waiting requests that fit next to the running ones (oldest first, probes before them), as many
+        as this step's prefill budget holds (at least one)."""
         with self._cond:
             admitted: list[Request] = []
-            while self._waiting and len(self._running) + len(admitted) < self.max_batch:
-                need = self._waiting[0].kv_tokens
-                if self._reserved + need > self.max_batch_tokens:
-                    break  # it waits for running requests to finish: queued, not refused
-                req = self._waiting.popleft()
+            distinct: set[tuple[int, ...]] = set()
+            longest = 0
+            # The running batch pads every row's KV to the widest row: a row costs the widest KV need.
+            widest = max((r.kv_tokens for r in self._running.values()), default=0)
+            while self._waiting:
+                req = self._waiting[0]
+                if not req.probe:
+                    rows = len(self._running) + len(admitted) + 1
+                    if rows > self.max_batch:
+                        break
+                    if rows * max(widest, req.kv_tokens) > self.max_batch_tokens:
+                        break  # it waits for running requests to finish: queued, not refused
+                # The prefill pads distinct prompts to the longest: that is what it costs.
+                prompt = tuple(req.input_ids)
+                width, rows = max(longest, len(prompt)), len(distinct | {prompt})
+                if admitted and rows * width > self.prefill_budget and not req.probe:
+                    break  # the next step takes it
+                self._waiting.popleft()
                 admitted.append(req)
-                self._reserved += need
+                distinct.add(prompt)
+                longest = width
+                widest = max(widest, req.kv_tokens)
             for req in admitted:
                 self._running[req.rid] = req
             return admitted
+
+    def _measure_prefill(self, padded_tokens: int, seconds: float) -> None:
+        """Size the next steps' prefill budget to PREFILL_STEP_S at the rate this prefill ran. Not in
+        deterministic mode: batches are then the same on every run, whatever the machine's speed."""
+        if padded_tokens >= 256 and seconds > 0 and not torch.are_deterministic_algorithms_enabled():
+            target = int(padded_tokens / seconds * PREFILL_STEP_S)
+            self.prefill_budget = max(256, min(self.max_batch_tokens, (self.prefill_budget + target) // 2))
 
     def _seed(self, req: Request) -> int:
         if req.params.seed is not None:
@@ -241,7 +282,6 @@ class EngineCore:
                 req: Request = seq.key
                 self._running.pop(req.rid, None)
                 self._aborted.discard(req.rid)
-                self._reserved -= req.kv_tokens
                 self.stats["generated_tokens"] += len(seq.output_ids)
         for seq in finished:
             if not seq.key.future.done():
@@ -250,8 +290,7 @@ class EngineCore:
     def _fail(self, requests: list[Request], exc: Exception) -> None:
         with self._cond:
             for req in requests:
-                if self._running.pop(req.rid, None) is not None:
-                    self._reserved -= req.kv_tokens
+                self._running.pop(req.rid, None)
         for req in requests:
             if not req.future.done():
                 req.future.set_exception(exc)
@@ -271,7 +310,11 @@ class EngineCore:
             new = []
         try:
             seqs = [self.batcher.new_sequence(r, r.input_ids, r.params, self._seed(r)) for r in new]
+            started = time.perf_counter()
             finished = self.batcher.prefill(seqs)
+            if new:
+                distinct = {tuple(r.input_ids) for r in new}
+                self._measure_prefill(len(distinct) * max(map(len, distinct)), time.perf_counter() - started)
             if len(self.batcher.batch):
                 with self._cond:
                     abort_rows = {i for i, s in enumerate(self.batcher.batch.seqs) if s.key.rid in self._aborted}

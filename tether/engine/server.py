@@ -12,6 +12,7 @@ anyio's threads for the async ones), so concurrent clients batch together in the
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -134,14 +135,27 @@ class EmbeddedHandler:
     def weight_version(self) -> int:
         return self.core.engine.weight_version
 
-    def health(self) -> dict:
+    # Health and load answer on the event loop, never from the thread pool: a rollout's or an eval's
+    # requests can hold every one of its threads (each waits on its generation), and the health
+    # watchdog must still get an answer.
+    async def health(self) -> dict:
         return self.core.load()
 
-    def health_generate(self) -> None:
+    async def health_generate(self) -> None:
+        """A one-token generation, admitted ahead of the queue: it answers within a step (or two) of a
+        busy engine, and not at all from a frozen one."""
         ids = self.tokenizer.encode("0", add_special_tokens=False) or [0]
-        self.run([ids], [SamplingParamsIn(max_new_tokens=1, temperature=0.0)], [None])
+        req = self.core.submit_many([(ids, SamplingParamsIn(max_new_tokens=1, temperature=0.0).to_params(), None)],
+                                    probe=True)[0]
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(req.future), self.timeout_s)
+        except EngineError as err:
+            raise HTTPException(status_code=503, detail=str(err)) from None
+        except TIMEOUTS:
+            self.core.abort(req.rid)
+            raise HTTPException(status_code=504, detail=f"the health probe took over {self.timeout_s}s") from None
 
-    def load(self) -> dict:
+    async def load(self) -> dict:
         core, cache = self.core, self.core.prefix_cache
         prefix = {} if cache is None else {"prefix_cache": {"tokens": cache.tokens, "entries": len(cache), **cache.stats}}
         return {**core.load(), **core.stats, **core.batcher.stats, **prefix}

@@ -318,9 +318,9 @@ class DataSource:
         self._set_position(self._epoch, end)
         return batch
 
-    def group(self, row: PromptRow, group_index: int) -> list[Sample]:
-        """The `n_samples_per_prompt` Samples of one prompt. Each gets its own copies of the mutable row
-        fields so that one sample's changes never leak to another."""
+    def group(self, row: PromptRow, group_index: int, n: int | None = None) -> list[Sample]:
+        """The `n_samples_per_prompt` (or ``n``) Samples of one prompt. Each gets its own copies of the
+        mutable row fields so that one sample's changes never leak to another."""
         return [
             Sample(
                 group_index=group_index,
@@ -331,7 +331,7 @@ class DataSource:
                 metadata=copy.deepcopy(row.metadata),
                 prompt_ids=list(row.prompt_ids),
             )
-            for j in range(self.n_samples_per_prompt)
+            for j in range(self.n_samples_per_prompt if n is None else n)
         ]
 
     def next_samples(self) -> list[Sample]:

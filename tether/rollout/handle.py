@@ -267,6 +267,14 @@ class RolloutHandle:
     def eval(self, rollout_id: int) -> dict[str, float]:
         return self._get_from_engines(self.actor.eval.remote(rollout_id), f"eval(rollout {rollout_id})")
 
+    def prepare_data(self) -> dict:
+        """What data.difficulty measures before the first rollout, a chunk a call (each within the call
+        timeout); the probe's metrics."""
+        while True:
+            out = self._get_from_engines(self.actor.prepare_data.remote(), "prepare_data (data.difficulty's probe)")
+            if out.pop("done"):
+                return out
+
     def keep_all_dumps(self) -> None:
         """`tether rollout`: every rollout's file stays (debug.keep_rollout_dumps is for training runs)."""
         self._get(self.actor.keep_all_dumps.remote(), "keep_all_dumps")

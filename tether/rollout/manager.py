@@ -13,6 +13,7 @@ import statistics
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, Iterator
 
 import ray
 
@@ -26,6 +27,8 @@ from tether.rollout.buffer import BUFFER_STATE, PartialBuffer
 from tether.rollout.builtin import builtin_rollout
 from tether.rollout.data_checks import load_eval_rows, load_train_rows, model_positions
 from tether.rollout.data_source import DataSource
+from tether.rollout.difficulty import AdaptiveSource
+from tether.rollout.probe import DIFFICULTY_DIR, SUMMARY, Probe, write_summary
 from tether.rollout.driver import GroupDriver, Schedule
 from tether.rollout.dumps import Dumps
 from tether.rollout.engine_watch import EngineWatch
@@ -75,8 +78,12 @@ class RolloutManager:
         self.filtered, self.skipped_rows = 0, list[str]()
         if d.path is not None or d.reasoning_gym is not None:  # the latter raises: check_inputs writes its files
             rows, self.filtered, self.skipped_rows = load_train_rows(self.cfg, self.tokenizer, positions)
-            self.data = DataSource(rows, prompts_per_rollout=r.prompts_per_rollout,
-                                   n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle, seed=self.cfg.seed)
+            source: dict[str, Any] = dict(prompts_per_rollout=r.prompts_per_rollout,
+                                          n_samples_per_prompt=r.n_samples_per_prompt, shuffle=d.shuffle,
+                                          seed=self.cfg.seed)
+            self.data = DataSource(rows, **source) if d.difficulty is None else AdaptiveSource(rows, d.difficulty,
+                                                                                               **source)
+        self._preparing: Iterator[None] | None = None
         # Every user function is loaded here, once: a bad spec fails the start, naming its field.
         self.scorer = make_scorer(self.cfg)
         self.keep = load_filter(r.dynamic_filter, args=self.cfg.args)
@@ -227,6 +234,12 @@ class RolloutManager:
             metrics["rollout/trained_frac"] = check_trained(samples, self.policy, f"rollout {rollout_id}")
         except RolloutFailed as err:
             raise RolloutFailed(f"{err}\n{where}") from None
+        if isinstance(self.data, AdaptiveSource):  # pass rates and levels move with what was trained
+            self.data.observe(groups, [[s.scored_reward() >= self.data.cfg.pass_at for s in counted(g)]
+                                       for g in groups])
+            data_metrics, changes = self.data.metrics()
+            metrics.update(data_metrics)
+            metrics["warnings"] += [f"rollout {rollout_id}: {c}" for c in changes]
         size, trajectories = self._layout(groups)
         batch = to_train_batch(samples, size, r.temperature, trajectories)
         end = time.perf_counter()
@@ -237,6 +250,52 @@ class RolloutManager:
             metrics["timing/rollout_fn_overhead_s"] = post_start - start - metrics["timing/generate_s"]
         metrics[MANAGER_SECONDS] = end - start
         return batch, metrics
+
+    # ------------------------------------------------------------ data.difficulty, before the first rollout
+    def prepare_data(self) -> dict:
+        """One step of what data.difficulty measures before the first rollout (a chunk of problems a
+        call, so that every call stays within the call timeout): {"done": False} until the last, then
+        {"done": True} with the probe's metrics. Nothing to do without data.difficulty."""
+        if not isinstance(self.data, AdaptiveSource):
+            return {"done": True}
+        if self._preparing is None:
+            self._probe = Probe(self.data, self._probe_groups, Path(self.cfg.output_dir) / DIFFICULTY_DIR,
+                                self.data.cfg.pass_at)
+            self._preparing = self._prepare_steps(self.data, self._probe)
+        try:
+            next(self._preparing)
+            return {"done": False}
+        except StopIteration:
+            self._preparing = None
+        data, probe = self.data, self._probe
+        summary = data.summary()
+        write_summary(Path(self.cfg.output_dir) / DIFFICULTY_DIR, summary)
+        measured = [row for row in summary if row["measured"]]
+        metrics: dict = {"done": True, "difficulty/probe_problems": float(probe.measured),
+                         "timing/probe_s": probe.seconds, **data.metrics()[0]}
+        if measured:
+            metrics["difficulty/probe_pass_rate"] = (sum(r["pass_rate"] * r["measured"] for r in measured)
+                                                     / sum(r["measured"] for r in measured))
+        metrics["warnings"] = data.metrics()[1]
+        return metrics
+
+    def _prepare_steps(self, data: AdaptiveSource, probe: Probe) -> Iterator[None]:
+        c = data.cfg.curriculum
+        if c is not None and c.start == "probe":
+            yield from probe.start_levels()
+            data.start_at(probe.levels)
+        elif c is not None:
+            assert isinstance(c.start, int)  # "probe" is the other value
+            data.start_at({task: min(c.start, data.top[task]) for task in data.tasks})
+        count = len(data.rows) if data.cfg.probe_problems is None else data.cfg.probe_problems
+        if count:
+            yield from probe.measure(data.upcoming(count), "the problems training draws first")
+
+    def _probe_groups(self, groups: list[list[Sample]], chunk: int) -> list[list[Sample]]:
+        """The probe's groups, generated and scored (the raw reward, as an eval scores) on the run's engines."""
+        ctx = self._context(0, True, self.params, self._seed(0, 1000 + chunk), partial(score_unscored, self.scorer,
+                                                                                       self.cfg), f"probe chunk {chunk}")
+        return self._call(ctx, EvalDataSource("probe", groups, 0), True, "probe").groups
 
     # ------------------------------------------------------------ fully asynchronous rollout
     def stream_start(self, version: int, next_take: int) -> None:
@@ -282,17 +341,32 @@ class RolloutManager:
     def _call(self, ctx: RolloutContext, data_source, evaluation: bool, metric_prefix: str) -> RolloutOutput:
         """The rollout function (the config's; the built-in one when there is none, or for an eval the
         config's does not take)."""
+        (out,), engines = self._call_all([(ctx, data_source)], evaluation, metric_prefix)
+        out.metrics.update(engines)
+        return out
+
+    def _call_all(self, calls: list[tuple[RolloutContext, Any]], evaluation: bool,
+                  metric_prefix: str) -> tuple[list[RolloutOutput], dict[str, float]]:
+        """The rollout function on each (context, data source) at once, in one event loop: the engines
+        batch them together (every eval set in one go). Returns the outputs and the engines' metrics
+        over all the calls (prefix cache, reissued samples)."""
         fn, spec = self.rollout_fn, self.cfg.rollout.custom_rollout_fn or "built-in"
         if fn is None or (evaluation and not takes_evaluation(fn)):
             fn, spec = builtin_rollout, "built-in"
         fleet = self._require_fleet()
         before, reissued = fleet.prefill_counters(), fleet.reissued_samples
+
+        async def run_all() -> list[RolloutOutput]:
+            return list(await asyncio.gather(*(call_rollout_fn(fn, spec, ctx, source, evaluation,
+                                                               user_fn=fn is not builtin_rollout)
+                                               for ctx, source in calls)))
+
         with self.watch.watching():
-            out = asyncio.run(call_rollout_fn(fn, spec, ctx, data_source, evaluation, user_fn=fn is not builtin_rollout))
-        out.metrics.update(prefix_cache_metrics(before, fleet.prefill_counters(), metric_prefix))
+            outs = asyncio.run(run_all())
+        engines = prefix_cache_metrics(before, fleet.prefill_counters(), metric_prefix)
         if not evaluation:
-            out.metrics["faults/samples_reissued"] = float(fleet.reissued_samples - reissued)
-        return out
+            engines["faults/samples_reissued"] = float(fleet.reissued_samples - reissued)
+        return outs, engines
 
     def _layout(self, groups: list[list[Sample]]) -> tuple[int, list[int] | None]:
         """(trajectories per group, each sample's trajectory or None): tether/rollout/results.py."""
@@ -306,17 +380,22 @@ class RolloutManager:
         return size, trajectories
 
     def eval(self, rollout_id: int) -> dict:
-        """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed)."""
+        """Scores of every eval set (and "warnings", a list of texts, when one looks collapsed). The sets
+        are generated together: one set of 50 problems alone would leave most of an engine's batch empty."""
         metrics: dict = {"warnings": []}
         start = time.perf_counter()
+        calls = []
         for k, eval_set in enumerate(self.eval_sets):
             name = eval_set.name
             ctx = self._context(rollout_id, True, eval_set.params, self._seed(rollout_id, k + 1),
                                 # a set's own reward scores it; else rewards its environment set are kept
                                 eval_set.scorer.score_group if eval_set.cfg.reward else
                                 partial(score_unscored, eval_set.scorer, self.cfg), f"eval {name} at rollout {rollout_id}")
-            out = self._call(ctx, EvalDataSource(name, eval_set.groups(), rollout_id), True, f"eval/{name}")
-            self._require_driver().take_failures()  # an eval's failed samples are in its own dump
+            calls.append((ctx, EvalDataSource(name, eval_set.groups(), rollout_id)))
+        outs, engines = self._call_all(calls, True, "eval") if calls else ([], {})
+        self._require_driver().take_failures()  # an eval's failed samples are in its own dump
+        for eval_set, out in zip(self.eval_sets, outs):
+            name = eval_set.name
             scores, samples, prompts, answers = eval_set.summarize(out.groups, out.metrics)
             metrics.update(scores)
             health, warnings = self.health.after_eval(
@@ -328,6 +407,7 @@ class RolloutManager:
             self.dumps.answers(counted(samples), answers, f"eval_{name}_{rollout_id:06d}_answers.json")
             self.dumps.rows(prompts, f"eval_{name}_{rollout_id:06d}_prompts.jsonl")
             self.dumps.prune_old(f"eval_{name}_")
+        metrics.update(engines)  # the engines' prefix-cache counters, over every set
         metrics["timing/eval_s"] = time.perf_counter() - start
         return metrics
 
@@ -358,6 +438,10 @@ class RolloutManager:
 
     def save_state(self, ckpt_dir: str) -> None:
         (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps(self.state_dict()))
+        if isinstance(self.data, AdaptiveSource):  # what was kept so far, per task and level
+            summary = Path(self.cfg.output_dir) / DIFFICULTY_DIR / SUMMARY
+            summary.parent.mkdir(parents=True, exist_ok=True)
+            summary.write_text(json.dumps(self.data.summary(), indent=1))
 
     def load_state(self, ckpt_dir: str) -> dict:
         """The data position of the checkpoint (older checkpoints kept the buffer and the stream in files

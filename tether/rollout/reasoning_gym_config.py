@@ -52,6 +52,12 @@ class ReasoningGymData(Section):
     seed: int = Field(0, ge=0)
     """Seed of the problems; each task draws from its own seed, derived from this and the task's name.
     (The order in which prompts are drawn follows the top-level seed, as for a file.)"""
+    levels: int | None = Field(None, ge=1)
+    """Generate each task's problems at its first `levels` difficulty levels (reasoning-gym's curricula:
+    level L sets every curriculum attribute to its L-th value, the task's settings the rest), each row
+    tagged metadata.level, for data.difficulty.curriculum; a task's share of `size` is split evenly over
+    its levels (a task with fewer levels, or none, has what it has). None: every problem at the task's
+    settings."""
 
     _split = field_validator("tasks", mode="before")(_split_names)
     _check = field_validator("tasks")(_unique)

@@ -37,6 +37,8 @@ class TaskMix:
     where: str
     settings: dict[str, dict] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    levels: int | None = None
+    """Generate at each task's first ``levels`` curriculum levels (None: at its settings only)."""
 
     def settings_of(self, task: str) -> dict:
         return self.settings.get(task, {})
@@ -48,6 +50,8 @@ class Problem:
     settings: dict
     entry: dict
     """The entry as reasoning-gym made it ({question, answer, metadata}), made JSON-safe."""
+    level: int | None = None
+    """The curriculum level it was generated at (TaskMix.levels), else None."""
 
 
 def task_registry() -> dict[str, tuple[type, type]]:
@@ -92,7 +96,8 @@ def task_config(task: str, settings: dict, known: dict, where: str, **own: Any) 
                               f"{', '.join(n for n in names if n not in OWN_FIELDS)}")
     try:
         config = config_cls(**settings, **own)
-        config.validate()  # the package's checks: asserts (and comparisons that fail on a wrong type)
+        if hasattr(config, "validate"):  # the package's checks (some tasks' configs, power_function's, have none)
+            config.validate()  # asserts, and comparisons that fail on a wrong type
     except (AssertionError, TypeError, ValueError) as err:
         raise ConfigError(f"{where}: {task} rejects {settings}: {err or type(err).__name__}") from None
     return config
@@ -124,17 +129,55 @@ def generate(mix: TaskMix, held_out: frozenset[str] | None = None) -> list[Probl
     check_mix(mix)
     problems = []
     for task, count in task_counts(mix).items():
-        problems += [Problem(task, mix.settings_of(task), json_safe(entry))
-                     for entry in _task_entries(mix, task, count, held_out)]
+        if mix.levels is None:
+            problems += [Problem(task, mix.settings_of(task), json_safe(entry))
+                         for entry in _task_entries(mix, task, count, held_out)]
+            continue
+        levels = min(mix.levels, level_count(task))
+        for level in range(levels):  # the count split evenly, the remainder to the easier levels
+            n = count // levels + (level < count % levels)
+            problems += [Problem(task, mix.settings_of(task), json_safe(entry), level)
+                         for entry in _task_entries(mix, task, n, held_out, level)]
     random.Random(mix.seed).shuffle(problems)
     return problems
 
 
-def _task_entries(mix: TaskMix, task: str, count: int, held_out: frozenset[str] | None) -> list[dict]:
+def level_count(task: str) -> int:
+    """How many difficulty levels reasoning-gym's curriculum of ``task`` has (its longest attribute's);
+    1 for a task without a curriculum (its settings are its one level)."""
+    from reasoning_gym.factory import CURRICULA, create_curriculum
+
+    if task not in CURRICULA:
+        return 1
+    return max(len(a.levels) for a in create_curriculum(task).attributes.values())
+
+
+def level_settings(task: str, level: int, settings: dict) -> dict:
+    """The task's config fields at ``level`` of its curriculum (every attribute at that level, or its
+    last), over ``settings``: reasoning-gym's own mapping from levels to fields."""
+    from reasoning_gym.factory import CURRICULA, create_curriculum
+
+    if task not in CURRICULA:
+        return dict(settings)
+    curriculum = create_curriculum(task)
+    for name, attr in curriculum.attributes.items():
+        curriculum.set_attr_level(name, min(level, len(attr.levels) - 1))
+    config = curriculum.generate_configuration(dict(settings))
+    return {**settings, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                           if f.name not in OWN_FIELDS}}
+
+
+def _task_entries(mix: TaskMix, task: str, count: int, held_out: frozenset[str] | None,
+                  level: int | None = None) -> list[dict]:
     known = task_registry()
     settings, where = mix.settings_of(task), f"{mix.where}.settings.{task}"
+    seed = task_seed(mix.seed, task)
+    if level is not None:
+        settings, where, seed = level_settings(task, level, settings), f"{where} (level {level})", seed + level
     tries = count if held_out is None else count * HELD_OUT_TRIES
-    config = task_config(task, settings, known, where, seed=task_seed(mix.seed, task), size=tries)
+    if count == 0:
+        return []
+    config = task_config(task, settings, known, where, seed=seed, size=tries)
     try:  # settings that pass the task's own checks can still fail in its generator
         dataset = known[task][0](config=config)
         entries = _entries(dataset, count, tries, held_out)

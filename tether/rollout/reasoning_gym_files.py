@@ -61,7 +61,8 @@ def _eval_sets(cfg: TetherConfig, index: int, held_out: frozenset[str]) -> list[
 
 
 def data_mix(rg: ReasoningGymData) -> TaskMix:
-    return TaskMix(tuple(rg.tasks), rg.size, rg.seed, "data.reasoning_gym", dict(rg.settings), dict(rg.weights))
+    return TaskMix(tuple(rg.tasks), rg.size, rg.seed, "data.reasoning_gym", dict(rg.settings), dict(rg.weights),
+                   rg.levels)
 
 
 def eval_mix(e: ReasoningGymEval, data: ReasoningGymData | None, index: int) -> TaskMix:
@@ -97,7 +98,8 @@ def _split(d: EvalDatasetConfig, data: ReasoningGymData | None,
 def rows(problems: list[Problem], data: DataConfig) -> list[dict]:
     """Prompt rows under the data section's keys, so the loader reads them like the user's own files."""
     return [{data.prompt_key: p.entry["question"], data.label_key: p.entry["answer"],
-             data.metadata_key: {"task": p.task, "settings": json_safe(p.settings), "entry": p.entry}}
+             data.metadata_key: {"task": p.task, "settings": json_safe(p.settings), "entry": p.entry,
+                                 **({"level": p.level} if p.level is not None else {})}}
             for p in problems]
 
 
@@ -117,4 +119,8 @@ def write_rows(folder: Path, stem: str, rows: list[dict]) -> Path:
 
 def _report(what: str, problems: list[Problem], path: Path) -> None:
     counts = ", ".join(f"{task} {n}" for task, n in sorted(Counter(p.task for p in problems).items()))
+    levels = Counter((p.task, p.level) for p in problems if p.level is not None)
+    if levels:
+        counts += "; by level: " + ", ".join(f"{task} {max(lv for t, lv in levels if t == task) + 1}"
+                                             for task in sorted({t for t, _ in levels}))
     print(f"[tether] {what}: {len(problems)} problems ({counts}) in {path}", file=sys.stderr)

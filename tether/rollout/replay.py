@@ -67,6 +67,9 @@ class ReplayRollout:
     def eval(self, rollout_id: int) -> dict:
         return {}
 
+    def prepare_data(self) -> dict:
+        return {}  # the saved rollouts are what is trained on
+
     def save_state(self, ckpt_dir: str) -> None:
         # The checkpoint stays complete (it is looked for); a resume reads rollout files by id.
         (Path(ckpt_dir) / DATA_STATE).write_text(json.dumps({"replay": str(self.dir)}))

@@ -150,6 +150,7 @@ class TrainActor:
             logits_chunk_mb=self.cfg.train.logits_chunk_mb,
             teacher_advantage_coef=t.coef if t is not None and t.mode == "advantage" else 0.0,
             share_prompts=self.cfg.train.share_prompts,
+            device=self.device,
             max_unit_tokens=unit_token_limit(self.model),
         )
 

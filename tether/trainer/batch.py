@@ -6,7 +6,7 @@ log-probs of them; the trainer never re-tokenizes text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -137,6 +137,20 @@ class MicroBatch:
     @property
     def num_tokens(self) -> float:
         return float(self.response_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch with its tensors on ``device`` (itself when they are there)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=True)
+            if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+                return tuple(t.to(device, non_blocking=True) for t in value)
+            return value
+
+        return MicroBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def prediction_index(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """(rows, columns) into the [B, L] hidden states of every scored prediction, and where each goes

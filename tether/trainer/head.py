@@ -70,9 +70,12 @@ def _head_transforms_off(model: PreTrainedModel) -> Iterator[tuple[float | None,
 
 
 def model_inputs(model: PreTrainedModel, mb: MicroBatch) -> dict:
-    """The forward's keyword arguments: ids, positions, and the 2-D mask or the shared layout's 4-D one."""
-    mask = mb.attention_mask if mb.attention_layout is None else shared_prefix.attention_mask(model, mb)
-    return dict(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
+    """The forward's keyword arguments on the model's device: ids, positions, and the 2-D mask or the
+    shared layout's 4-D one (built there: a flex BlockMask is not moved by FSDP as tensors are)."""
+    device: torch.device = model.get_input_embeddings().weight.device  # type: ignore[assignment]
+    mask = (mb.attention_mask if mb.attention_layout is None else shared_prefix.attention_mask(model, mb, device))
+    return dict(input_ids=mb.input_ids.to(device), attention_mask=None if mask is None else mask.to(device),
+                position_ids=None if mb.position_ids is None else mb.position_ids.to(device), use_cache=False)
 
 
 def chunked_forward(model: PreTrainedModel, mb: MicroBatch, temperature: float, entropy: str,

@@ -58,7 +58,9 @@ def prepare_for_training(model: PreTrainedModel, cfg: TetherConfig, mesh: Device
         # Non-reentrant: with a frozen base the recomputed block's inputs need no grad, and the reentrant
         # kind would then drop the adapters' gradients.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": lora is None})
-    if backward and device == "cpu" and (dtype or DTYPES[cfg.model.dtype]) == torch.bfloat16:
+    if cfg.train.attention != "auto":
+        model.set_attn_implementation(cfg.train.attention)
+    elif backward and device == "cpu" and (dtype or DTYPES[cfg.model.dtype]) == torch.bfloat16:
         # PyTorch's CPU flash-attention backward is slow in bfloat16: on SmolLM2's shape (16 x 9 heads
         # x 100 tokens) 32 ms against 11 in float32 and 6 for the plain matmul-softmax-matmul, which
         # made a bfloat16 step only 1.2x faster than float32 instead of 1.9x.

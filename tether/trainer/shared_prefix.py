@@ -192,8 +192,9 @@ def unit_token_limit(model: PreTrainedModel) -> int | None:
     return 3 * int(model.config.hidden_size)
 
 
-def attention_mask(model: PreTrainedModel, mb: MicroBatch) -> Any:
-    """The micro-batch's 4-D mask in the form the model's attention implementation takes."""
+def attention_mask(model: PreTrainedModel, mb: MicroBatch, device: torch.device | str | None = None) -> Any:
+    """The micro-batch's 4-D mask in the form the model's attention implementation takes, on ``device``
+    (default: the micro-batch's)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     assert mb.attention_layout is not None
@@ -202,7 +203,8 @@ def attention_mask(model: PreTrainedModel, mb: MicroBatch) -> Any:
         raise ValueError(f"train.share_prompts lays samples out with a custom attention mask, which "
                          f"{type(model).__name__}'s attention {impl!r} cannot take (it needs one of "
                          f"{', '.join(MASKED_ATTENTION)}): set train.share_prompts=false")
-    unit_no, segment = (t.to(mb.input_ids.device) for t in mb.attention_layout)
+    device = device if device is not None else mb.input_ids.device
+    unit_no, segment = (t.to(device) for t in mb.attention_layout)
 
     def allowed(b, h, q, kv):
         # Causal, within one unit, and only the prefix's tokens or the query's own segment's.
@@ -210,5 +212,4 @@ def attention_mask(model: PreTrainedModel, mb: MicroBatch) -> Any:
 
     rows, width = mb.input_ids.shape
     return ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=rows, q_length=width, kv_length=width, mask_function=allowed,
-                                              device=mb.input_ids.device, dtype=torch.float32,
-                                              allow_is_causal_skip=False)
+                                              device=device, dtype=torch.float32, allow_is_causal_skip=False)

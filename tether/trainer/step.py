@@ -65,6 +65,8 @@ class StepSettings:
     share_prompts: bool = False
     """Samples that begin alike (a group's prompt) laid out so the common tokens are computed once
     (trainer/shared_prefix.py); a group stays on one rank and in one micro-batch where it fits."""
+    device: str = "cpu"
+    """Where the model runs: micro-batches are moved there."""
     max_unit_tokens: int | None = None
     """With share_prompts: the most tokens one group's row may take (a larger group is split, each part
     sharing the prompt), since dense attention costs a row's width squared; None: no limit."""
@@ -89,15 +91,17 @@ def _units(batch: TrainBatch, indices: list[int], s: StepSettings) -> list[share
 
 
 def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[MicroBatch]:
-    """This rank's micro-batches over ``mine``; with packing or shared prompts, as many as the busiest
-    rank needs."""
+    """This rank's micro-batches over ``mine``, on the model's device; with packing or shared prompts,
+    as many as the busiest rank needs."""
     if s.share_prompts:
-        return _shared_micro_batches(batch, mine, s)
-    if s.max_tokens_per_micro_batch is None:
-        return [collate(batch, chunk, s.pad_id) for chunk in split_micro_batches(mine, s.micro_batch_size)]
-    lengths = [len(t) for t in batch.tokens]
-    count = int(all_reduce_max(float(count_by_budget(mine, lengths, s.max_tokens_per_micro_batch))))
-    return [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
+        mbs = _shared_micro_batches(batch, mine, s)
+    elif s.max_tokens_per_micro_batch is None:
+        mbs = [collate(batch, chunk, s.pad_id) for chunk in split_micro_batches(mine, s.micro_batch_size)]
+    else:
+        lengths = [len(t) for t in batch.tokens]
+        count = int(all_reduce_max(float(count_by_budget(mine, lengths, s.max_tokens_per_micro_batch))))
+        mbs = [collate_packed(batch, chunk, s.pad_id) for chunk in balance_by_tokens(mine, lengths, count)]
+    return [mb.to(s.device) for mb in mbs]
 
 
 def _shared_micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[MicroBatch]:
