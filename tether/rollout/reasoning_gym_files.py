@@ -121,6 +121,6 @@ def _report(what: str, problems: list[Problem], path: Path) -> None:
     counts = ", ".join(f"{task} {n}" for task, n in sorted(Counter(p.task for p in problems).items()))
     levels = Counter((p.task, p.level) for p in problems if p.level is not None)
     if levels:
-        counts += "; by level: " + ", ".join(f"{task} {max(lv for t, lv in levels if t == task) + 1}"
-                                             for task in sorted({t for t, _ in levels}))
+        counts += "; levels: " + ", ".join(f"{task} {max(lv for t, lv in levels if t == task) + 1}"
+                                           for task in sorted({t for t, _ in levels}))
     print(f"[tether] {what}: {len(problems)} problems ({counts}) in {path}", file=sys.stderr)
