@@ -20,25 +20,26 @@ from tether.trainer.group import TrainerGroup
 pytestmark = pytest.mark.integration
 
 
-def rl_batch() -> TrainBatch:
-    """8 samples in 2 groups of 4 (each group one prompt), uneven lengths, with engine log-probs and rewards."""
+def rl_batch(rewards=(1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25), empty: tuple[int, ...] = ()) -> TrainBatch:
+    """8 samples in 2 groups of 4 (each group one prompt), uneven lengths, with engine log-probs and rewards;
+    ``empty``: samples with no response."""
     g = torch.Generator().manual_seed(0)
     tokens, prompt_lengths, response_lengths, logprobs = [], [], [], []
     prompts = [torch.randint(3, 60, (3 + k,), generator=g).tolist() for k in range(2)]
     for i in range(8):
-        r = 2 + (i * 5) % 4
+        r = 0 if i in empty else 2 + (i * 5) % 4
         tokens.append(prompts[i // 4] + torch.randint(3, 60, (r,), generator=g).tolist())
         prompt_lengths.append(len(prompts[i // 4]))
         response_lengths.append(r)
         logprobs.append((-torch.rand(r, generator=g) * 3).tolist())
-    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
     return TrainBatch(tokens=tokens, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
-                      group_size=4, rewards=rewards, rollout_logprobs=logprobs, temperature=0.9,
+                      group_size=4, rewards=list(rewards), rollout_logprobs=logprobs, temperature=0.9,
                       sample_ids=[(i // 4, i % 4) for i in range(8)])
 
 
 def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, micro_batch_size: int,
-                           algorithm: dict | None = None, token_budget: int | None = None, share: bool = False):
+                           algorithm: dict | None = None, token_budget: int | None = None, share: bool = False,
+                           batch: TrainBatch | None = None):
     raw = tiny_config(model_dir, data, tmp_path, cluster={"num_train_actors": num_train_actors},
                       train={"lr": 1e-2, "micro_batch_size": micro_batch_size, "global_batch_size": 8,
                              "grad_clip": 0.0, "max_tokens_per_micro_batch": token_budget, "share_prompts": share},
@@ -48,7 +49,7 @@ def weights_after_one_step(tmp_path, model_dir, data, num_train_actors: int, mic
     trainer = TrainerGroup(cfg, placement)
     try:
         trainer.init(total_steps=1, with_ref=cfg.algorithm.needs_ref_model, load_dir=None)
-        metrics = trainer.train(0, ray.put(rl_batch()))
+        metrics = trainer.train(0, ray.put(batch or rl_batch()))
         out = tmp_path / f"hf_{num_train_actors}_{micro_batch_size}_{token_budget}_{share}"
         trainer.save_hf(str(out))
     finally:
@@ -101,3 +102,18 @@ def test_packed_micro_batches_on_ranks_balanced_by_tokens(ray_session, tiny_mode
         worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
         assert worst < 1e-5, (actors, budget, worst)
         assert metrics["train/loss"] == pytest.approx(ref_metrics["train/loss"], rel=1e-4, abs=1e-6)
+
+
+def test_groups_without_signal_are_left_out_on_every_rank_alike(ray_session, tiny_model_dir, addition_data, tmp_path):
+    """A group that scored alike and an empty response run on no rank (trainer/no_signal.py): the three
+    samples left fall 2 + 1 on two ranks, whose micro-batch counts are evened out for FSDP."""
+    batch = rl_batch(rewards=(1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0), empty=(3,))
+    reference, ref_metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, 1, 8, batch=batch)
+    assert ref_metrics["train/no_signal_frac"] == pytest.approx(5 / 8)
+    for actors, micro, share in ((2, 1, False), (2, 1, True)):
+        weights, metrics = weights_after_one_step(tmp_path, tiny_model_dir, addition_data, actors, micro,
+                                                  share=share, batch=batch)
+        worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        assert worst < 1e-5, (actors, micro, share, worst)
+        for key in ("train/loss", "train/entropy", "train/no_signal_frac"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (key, actors, share)

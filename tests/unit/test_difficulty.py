@@ -87,6 +87,19 @@ def test_levels_rise_when_the_recent_pass_rate_reaches_raise_at_and_fall_at_lowe
     assert src.state.levels["a"] == 0  # 0.0: down
 
 
+def test_partial_credit_counts_as_part_of_a_pass_unless_pass_at_is_set():
+    assert [DifficultyConfig().passed(r) for r in (0.0, 0.4, 1.0, 1.7, -0.5)] == [0.0, 0.4, 1.0, 1.0, 0.0]
+    assert [DifficultyConfig(pass_at=0.9).passed(r) for r in (0.4, 0.9, 1.0)] == [0.0, 1.0, 1.0]
+    # A task scored 0.8 on every reply (a near miss each time) rises under partial credit, never at pass_at 1.
+    for pass_at, level in ((None, 1), (1.0, 0)):
+        cfg = DifficultyConfig(pass_at=pass_at, curriculum=CurriculumConfig(start=0, raise_at=0.75, window=2))
+        src = source(cfg)
+        drawn = [i for i in src.upcoming(4) if src.rows[i].metadata["task"] == "a"]
+        src.observe(groups_of(src, drawn), [[cfg.passed(0.8)] * 2 for _ in drawn])
+        assert src.state.levels["a"] == level, pass_at
+        assert src.rates[drawn[0]] == ((1.6, 2) if pass_at is None else (0.0, 2))
+
+
 def test_pass_rates_of_trained_groups_are_kept_and_resumed_exactly():
     cfg = DifficultyConfig(curriculum=CurriculumConfig(start=0, raise_at=0.5, window=1))
     first = source(cfg)

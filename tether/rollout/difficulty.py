@@ -161,8 +161,8 @@ class AdaptiveSource(DataSource):
                 self.changes.append(f"{task or 'data'} starts at level {level}")
                 self.state.levels[task] = level
 
-    def observe(self, groups: list[list[Sample]], passed: list[list[bool]]) -> None:
-        """After a rollout: each trained group's passes (``passed``: per sample, None-free) update its
+    def observe(self, groups: list[list[Sample]], passed: list[list[float]]) -> None:
+        """After a rollout: each trained group's passes (``passed``: per sample, 0 to 1) update its
         problem's rate (data.difficulty.update) and its task's recent ones; levels move."""
         for group, passes in zip(groups, passed):
             if not group or not passes:

@@ -56,14 +56,22 @@ class DifficultyConfig(Section):
     band: tuple[Rate, Rate] = (0.0, 1.0)
     """Train on problems whose measured pass rate p is inside the band, low < p < high: [0, 1] leaves out
     the problems never solved and those always solved. A problem not measured yet is kept."""
-    pass_at: float = 1.0
-    """A sample passes when its reward is at least this."""
+    pass_at: float | None = None
+    """A sample passes when its reward is at least this; None: a sample counts its reward (clipped to
+    [0, 1]) as its share of a pass, so a task that gives partial credit (a reply half right scores 0.5)
+    has pass rates between 0 and 1 and a curriculum on it can rise; for 0/1 rewards both are the same."""
     update: bool = True
     """Each trained group updates its problem's pass rate (the band then acts on it when the problem
     comes round again)."""
     curriculum: CurriculumConfig | None = None
     """Draw each task's problems from its current level (rows tagged metadata.level, e.g. by
     data.reasoning_gym.levels); None: no levels."""
+
+    def passed(self, reward: float) -> float:
+        """How much of a pass a sample with ``reward`` counts for (pass_at)."""
+        if self.pass_at is None:
+            return min(1.0, max(0.0, reward))
+        return float(reward >= self.pass_at)
 
     @model_validator(mode="after")
     def _band(self) -> DifficultyConfig:

@@ -235,7 +235,7 @@ class RolloutManager:
         except RolloutFailed as err:
             raise RolloutFailed(f"{err}\n{where}") from None
         if isinstance(self.data, AdaptiveSource):  # pass rates and levels move with what was trained
-            self.data.observe(groups, [[s.scored_reward() >= self.data.cfg.pass_at for s in counted(g)]
+            self.data.observe(groups, [[self.data.cfg.passed(s.scored_reward()) for s in counted(g)]
                                        for g in groups])
             data_metrics, changes = self.data.metrics()
             metrics.update(data_metrics)
@@ -260,7 +260,7 @@ class RolloutManager:
             return {"done": True}
         if self._preparing is None:
             self._probe = Probe(self.data, self._probe_groups, Path(self.cfg.output_dir) / DIFFICULTY_DIR,
-                                self.data.cfg.pass_at)
+                                self.data.cfg.passed)
             self._preparing = self._prepare_steps(self.data, self._probe)
         try:
             next(self._preparing)

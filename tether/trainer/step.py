@@ -31,7 +31,7 @@ from tether.algorithms.names import TOKEN_LEVEL
 from tether.algorithms.losses import LossInputs, LossParams, policy_objective
 from tether.models.lora import adapters_disabled
 from tether.trainer.batch import MicroBatch, TrainBatch, collate, collate_packed, split_micro_batches
-from tether.trainer import mismatch, shared_prefix
+from tether.trainer import mismatch, no_signal, shared_prefix
 from tether.trainer.head import chunk_tokens, chunked_forward, chunked_head_agrees, plain_forward
 from tether.trainer.micro_batches import balance_by_tokens, count_by_budget
 from tether.trainer.nonfinite import NonFiniteGuard, check_weights
@@ -97,6 +97,8 @@ def micro_batches(batch: TrainBatch, mine: list[int], s: StepSettings) -> list[M
         mbs = _shared_micro_batches(batch, mine, s)
     elif s.max_tokens_per_micro_batch is None:
         mbs = [collate(batch, chunk, s.pad_id) for chunk in split_micro_batches(mine, s.micro_batch_size)]
+        # Ranks differ in count when samples without signal were left out (no_signal.py): FSDP needs the same.
+        mbs += [collate_packed(batch, [], s.pad_id) for _ in range(int(all_reduce_max(float(len(mbs)))) - len(mbs))]
     else:
         lengths = [len(t) for t in batch.tokens]
         count = int(all_reduce_max(float(count_by_budget(mine, lengths, s.max_tokens_per_micro_batch))))
@@ -471,19 +473,30 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     out: dict[str, Any] = dict(rl.metrics) if rl is not None else {}  # floats, and "warnings" (a list)
     summed: dict[str, float] = {}
     warnings: list[str] = []
+    idle = _without_signal(batch, rl, s)
+    if idle:
+        out["train/no_signal_frac"] = len(idle) / len(batch)
+        if rl is not None and rl.old is None and rl.ref is None and not state.objectives:  # nothing held per rank yet:
+            # balance what runs
+            assigned = [assign_ranks(batch, [i for i in idx if i not in idle], s, rank, world) for idx in global_steps]
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
         trained = [batch.trained_tokens(i) for i in global_idx]
         counts = GlobalCounts(num_tokens=float(max(1, sum(trained))), num_sequences=float(max(1, sum(t > 0 for t in trained))),
                               max_response_len=max(1, s.max_response_len))
+        ran = sum(t for i, t in zip(global_idx, trained) if i not in idle)
         with timed(phases, "forward_backward"):
-            parts = run_global_step(state.model, batch, mine, counts, s, rl.advantages if rl else None,
-                                    rl.old if rl else None, rl.ref if rl else None, world, rl.seen if rl else None,
-                                    rl.teacher if rl else None)
+            parts = run_global_step(state.model, batch, [i for i in mine if i not in idle], counts, s,
+                                    rl.advantages if rl else None, rl.old if rl else None, rl.ref if rl else None,
+                                    world, rl.seen if rl else None, rl.teacher if rl else None)
+        parts = no_signal.rescale_means(parts, counts.num_tokens, float(ran))
+        if idle and ran == 0:
+            _zero_grads(state.model)  # the optimizer steps as it would on a zero gradient (Adam's moments)
+            parts = {"loss": 0.0, "pg_loss": 0.0}
         if rl is not None and k == 0:  # the trainer's log-probs before any update, against the engine's
             # Without a separate old pass, step 0's forward has just filled ``seen`` (prepare_rl_inputs).
             old = rl.old if rl.old is not None else rl.seen
             assert old is not None
-            out.update(mismatch_metrics(batch, [i for m in assigned for i in m], old))
+            out.update(mismatch_metrics(batch, [i for m in assigned for i in m if i in old], old))
         if rl is not None:
             for objective in state.objectives:
                 with timed(phases, "critic"):
@@ -500,6 +513,20 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _without_signal(batch: TrainBatch, rl: RLInputs | None, s: StepSettings) -> set[int]:
+    """Samples left out of the policy's forward and backward: zero advantages under a loss where they add
+    nothing to the gradient (no_signal.py)."""
+    if rl is None or not no_signal.applies(s.policy_loss, s.loss_params, rl.teacher is not None):
+        return set()
+    return no_signal.without_signal(rl.advantages, list(range(len(batch))))
+
+
+def _zero_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _optimizer_step(state: TrainState, batch: TrainBatch, rl: RLInputs | None, mine: list[int],
