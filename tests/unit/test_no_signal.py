@@ -71,10 +71,10 @@ def test_a_batch_without_any_signal_steps_as_on_a_zero_gradient(every_sample):
     batch = alike(grouped_batch(), {0, 1, 2})
     want, _, want_tokens = every_sample(model, batch, optimizer="adamw")
     got, got_m, got_tokens = one_step(model, batch, optimizer="adamw")
-    assert got_tokens == 0 and want_tokens > 0
+    assert 0 < got_tokens < want_tokens / 4  # the shortest sample only: its backward lays out the zero gradient
     # AdamW's decoupled weight decay moves the weights on a zero gradient: the same move either way.
     assert want.abs().max() > 0 and torch.equal(got, want)
-    assert got_m["train/no_signal_frac"] == 1.0 and got_m["train/loss"] == 0.0
+    assert got_m["train/no_signal_frac"] == pytest.approx(11 / 12) and got_m["train/loss"] == 0.0
 
 
 @pytest.mark.parametrize("params, loss, teacher", [

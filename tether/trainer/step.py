@@ -473,7 +473,7 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     out: dict[str, Any] = dict(rl.metrics) if rl is not None else {}  # floats, and "warnings" (a list)
     summed: dict[str, float] = {}
     warnings: list[str] = []
-    idle = _without_signal(batch, rl, s)
+    idle = _without_signal(batch, rl, s, global_steps)
     if idle:
         out["train/no_signal_frac"] = len(idle) / len(batch)
         if rl is not None and rl.old is None and rl.ref is None and not state.objectives:  # nothing held per rank yet:
@@ -489,9 +489,6 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
                                     rl.advantages if rl else None, rl.old if rl else None, rl.ref if rl else None,
                                     world, rl.seen if rl else None, rl.teacher if rl else None)
         parts = no_signal.rescale_means(parts, counts.num_tokens, float(ran))
-        if idle and ran == 0:
-            _zero_grads(state.model)  # the optimizer steps as it would on a zero gradient (Adam's moments)
-            parts = {"loss": 0.0, "pg_loss": 0.0}
         if rl is not None and k == 0:  # the trainer's log-probs before any update, against the engine's
             # Without a separate old pass, step 0's forward has just filled ``seen`` (prepare_rl_inputs).
             old = rl.old if rl.old is not None else rl.seen
@@ -515,18 +512,19 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     return out
 
 
-def _without_signal(batch: TrainBatch, rl: RLInputs | None, s: StepSettings) -> set[int]:
+def _without_signal(batch: TrainBatch, rl: RLInputs | None, s: StepSettings, steps: list[list[int]]) -> set[int]:
     """Samples left out of the policy's forward and backward: zero advantages under a loss where they add
-    nothing to the gradient (no_signal.py)."""
+    nothing to the gradient (no_signal.py). An optimizer step keeps its shortest sample when none has
+    signal: its backward gives the exact zero gradient the optimizer then steps on (Adam's moments and
+    weight decay move the weights even then), with every parameter's gradient laid out as the model's."""
     if rl is None or not no_signal.applies(s.policy_loss, s.loss_params, rl.teacher is not None):
         return set()
-    return no_signal.without_signal(rl.advantages, list(range(len(batch))))
-
-
-def _zero_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+    idle = no_signal.without_signal(rl.advantages, list(range(len(batch))))
+    for idx in steps:
+        if idle.issuperset(idx):
+            keep = min((i for i in idx if batch.trained_tokens(i) > 0), key=batch.trained_tokens, default=None)
+            idle -= set(idx) if keep is None else {keep}
+    return idle
 
 
 def _optimizer_step(state: TrainState, batch: TrainBatch, rl: RLInputs | None, mine: list[int],
