@@ -259,8 +259,7 @@ class RolloutManager:
         if not isinstance(self.data, AdaptiveSource):
             return {"done": True}
         if self._preparing is None:
-            self._probe = Probe(self.data, self._probe_groups, Path(self.cfg.output_dir) / DIFFICULTY_DIR,
-                                self.data.cfg.passed)
+            self._probe = Probe(self.data, self._probe_groups, Path(self.cfg.output_dir) / DIFFICULTY_DIR)
             self._preparing = self._prepare_steps(self.data, self._probe)
         try:
             next(self._preparing)

@@ -50,11 +50,8 @@ Generate = Callable[[list[list[Sample]], int], list[list[Sample]]]
 
 
 class Probe:
-    def __init__(self, source: AdaptiveSource, generate: Generate, folder: Path,
-                 passed: Callable[[float], float] | None = None):
-        # passed: a sample's share of a pass from its reward (DifficultyConfig.passed)
+    def __init__(self, source: AdaptiveSource, generate: Generate, folder: Path):
         self.source, self.generate = source, generate
-        self.passed = passed or source.cfg.passed
         self.path = folder / CACHE
         self.cached: dict[str, tuple[float, int]] = {}
         if self.path.is_file():
@@ -104,7 +101,7 @@ class Probe:
         lines = []
         for row, group in zip(rows, groups):
             scored = [s for s in group if not s.failed]
-            passes = float(sum(self.passed(s.scored_reward()) for s in scored))
+            passes = float(sum(self.source.cfg.passed(s.scored_reward()) for s in scored))
             self.cached[prompt_hash(row)] = (passes, len(scored))
             lines.append(json.dumps({"hash": prompt_hash(row), "index": row.index, "line": row.line,
                                      "task": row_task(row), "level": row_level(row), "passes": passes,

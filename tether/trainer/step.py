@@ -476,8 +476,8 @@ def train_steps(state: TrainState, batch: TrainBatch, s: StepSettings, rank: int
     idle = _without_signal(batch, rl, s, global_steps)
     if idle:
         out["train/no_signal_frac"] = len(idle) / len(batch)
-        if rl is not None and rl.old is None and rl.ref is None and not state.objectives:  # nothing held per rank yet:
-            # balance what runs
+        # Nothing is held per rank yet (old, reference or critic values): balance what runs over the ranks.
+        if rl is not None and rl.old is None and rl.ref is None and not state.objectives:
             assigned = [assign_ranks(batch, [i for i in idx if i not in idle], s, rank, world) for idx in global_steps]
     for k, (global_idx, mine) in enumerate(zip(global_steps, assigned)):
         trained = [batch.trained_tokens(i) for i in global_idx]
